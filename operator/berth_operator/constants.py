@@ -1,0 +1,60 @@
+"""Names the operator and the cluster share: API group, labels, ports, paths, field manager."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from berth_operator import __version__
+
+GROUP: Final = "serving.berth.dev"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+KIND: Final = "InferenceService"
+PLURAL: Final = "inferenceservices"
+SINGULAR: Final = "inferenceservice"
+SHORT_NAMES: Final = ("bis",)
+
+# Server-side apply: one field manager for every child the operator owns.
+FIELD_MANAGER: Final = "berth-operator"
+# kopf's own bookkeeping (diff base, handler progress) lives in annotations with this prefix.
+ANNOTATION_PREFIX: Final = GROUP
+
+DEFAULT_RUNTIME_IMAGE: Final = f"ghcr.io/berth-dev/berth-runtime:{__version__}"
+OPERATOR_IMAGE: Final = f"ghcr.io/berth-dev/berth-operator:{__version__}"
+
+# Labels on every child. The selector labels never change for the life of an InferenceService.
+LABEL_NAME: Final = "app.kubernetes.io/name"
+LABEL_INSTANCE: Final = "app.kubernetes.io/instance"
+LABEL_COMPONENT: Final = "app.kubernetes.io/component"
+LABEL_PART_OF: Final = "app.kubernetes.io/part-of"
+LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+LABEL_VERSION: Final = "app.kubernetes.io/version"
+LABEL_ISVC: Final = f"{GROUP}/inferenceservice"
+LABEL_ROLE: Final = f"{GROUP}/component"
+# llm-d's endpoint picker reads this to pick the metric names of the engine (sglang:*).
+LABEL_ENGINE_TYPE: Final = "llm-d.ai/engine-type"
+ENGINE_TYPE: Final = "sglang"
+APP_NAME: Final = "berth"
+MANAGED_BY: Final = "berth-operator"
+ROLE_RANK: Final = "rank"
+ROLE_ROUTER: Final = "router"
+
+# Set by the StatefulSet controller on each pod (Kubernetes >= 1.28): the pod's ordinal = DP rank.
+POD_INDEX_LABEL: Final = "apps.kubernetes.io/pod-index"
+POD_NAME_LABEL: Final = "statefulset.kubernetes.io/pod-name"
+
+# Ports and paths inside the pods.
+HTTP_PORT: Final = 8000
+SERVICE_PORT: Final = 80
+HEALTH_PATH: Final = "/health"
+METRICS_PATH: Final = "/metrics"
+MODELS_MOUNT: Final = "/mnt/models"
+CACHE_MOUNT: Final = "/var/cache/berth"
+TMP_MOUNT: Final = "/tmp"
+SHM_MOUNT: Final = "/dev/shm"
+
+# The images' non-root user (see the Dockerfile).
+RUN_AS_UID: Final = 10001
+
+ENV_API_KEY: Final = "BERTH_API_KEY"
+ENV_DP_RANK: Final = "BERTH_DP_RANK"

@@ -1,0 +1,1 @@
+"""HTTP entry points: the OpenAI protocol, the serving handlers and the server launcher."""

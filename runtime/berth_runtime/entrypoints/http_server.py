@@ -1,0 +1,409 @@
+"""The FastAPI app: OpenAI and native routes, health, auth, and errors as OpenAI-style bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from berth_runtime import __version__
+from berth_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from berth_runtime.errors import RequestError, error_body
+from berth_runtime.io_struct import GenerateReqInput
+from berth_runtime.sampling_params import SamplingParams
+from berth_runtime.server_args import ServerArgs
+
+# Endpoints that stay open without an API key (probes and scrapers).
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+# The scheduler sends a heartbeat every 0.5 s; this much silence while work is pending means stuck.
+HEARTBEAT_STALE_S = 30.0
+
+
+@dataclass
+class ServerState:
+    """What the API process knows about its engine; shared by routes and the launcher."""
+
+    args: ServerArgs
+    phase: str = "loading"  # loading -> ready -> draining | dead
+    reason: str = ""
+    model_path: str = ""
+    engine_info: dict[str, Any] = field(default_factory=dict)
+    started_time: float = field(default_factory=time.time)
+    ready_time: float = 0.0
+    tokenizer_manager: Any = None  # TokenizerManager once the engine is up
+    serving_chat: Any = None
+    serving_completion: Any = None
+
+    def require_ready(self) -> Any:
+        if self.phase == "loading":
+            raise RequestError("the model is still loading", HTTPStatus.SERVICE_UNAVAILABLE)
+        if self.tokenizer_manager is None:
+            raise RequestError(f"the server is {self.phase}", HTTPStatus.SERVICE_UNAVAILABLE)
+        return self.tokenizer_manager
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI (keeps `request.is_disconnected()` working): Bearer key on every non-open path."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            headers = dict(scope.get("headers") or [])
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                body = error_body("invalid or missing API key", "AuthenticationError", 401)
+                response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class RankHeaderMiddleware:
+    """Tell every client which data-parallel rank answered (`X-Data-Parallel-Rank`)."""
+
+    def __init__(self, app: Any, dp_rank: int) -> None:
+        self.app = app
+        self.header = (b"x-data-parallel-rank", str(dp_rank).encode())
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_rank(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_rank)
+
+
+def _error_response(err: RequestError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers or None)
+
+
+def create_app(state: ServerState, lifespan: Any = None) -> Any:
+    """The ASGI app (FastAPI wrapped in the auth and rank-header middlewares when configured)."""
+    app = FastAPI(title="Berth", version=__version__, lifespan=lifespan)
+    app.state.server = state
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(loc) or None
+        message = first.get("msg", "invalid request")
+        if param:
+            message = f"{param}: {message}"
+        return _error_response(RequestError(message, HTTPStatus.BAD_REQUEST, param=param))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        err = RequestError(f"internal error: {type(exc).__name__}: {exc}", 500)
+        return _error_response(err)
+
+    # --- health ---------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok, reason = _health(state)
+        if ok:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": state.phase, "reason": reason}, status_code=503)
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        ok, reason = _health(state)
+        if not ok:
+            return JSONResponse({"status": state.phase, "reason": reason}, status_code=503)
+        tm = state.tokenizer_manager
+        obj = GenerateReqInput(
+            input_ids=[0],
+            sampling_params=SamplingParams(max_new_tokens=1, ignore_eos=True),
+            rid=f"health-{uuid.uuid4().hex}",
+        )
+        try:
+            async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
+                async for _ in tm.generate_request(obj, None):
+                    pass
+        except (TimeoutError, RequestError) as e:
+            return JSONResponse({"status": "unhealthy", "reason": str(e) or "timeout"}, 503)
+        return JSONResponse({"status": "ok"})
+
+    # --- info -----------------------------------------------------------------------------
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return JSONResponse({"object": "list", "data": [_model_card(state)]})
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> Response:
+        if model != state.args.model_name:
+            raise RequestError(
+                f"The model `{model}` does not exist.", 404, param="model", code="model_not_found"
+            )
+        return JSONResponse(_model_card(state))
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> Response:
+        return JSONResponse(
+            {
+                "model_path": state.model_path or state.args.model,
+                "served_model_name": state.args.model_name,
+                "tokenizer_path": state.model_path,
+                "is_generation": True,
+                "context_length": state.engine_info.get("context_len"),
+                "vocab_size": state.engine_info.get("vocab_size"),
+            }
+        )
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> Response:
+        server_args = {k: v for k, v in vars(state.args).items() if k != "api_key"}
+        return JSONResponse(
+            {
+                "version": __version__,
+                "phase": state.phase,
+                "reason": state.reason,
+                "dp_rank": state.args.dp_rank,
+                "model_path": state.model_path,
+                "served_model_name": state.args.model_name,
+                "server_args": server_args,
+                "engine": state.engine_info,
+                "started_time": state.started_time,
+                "load_time_s": (state.ready_time - state.started_time) if state.ready_time else None,
+            }
+        )
+
+    @app.get("/get_load")
+    @app.get("/v1/loads")
+    async def get_load() -> Response:
+        tm = state.tokenizer_manager
+        stats = tm.last_stats if tm is not None else None
+        load: dict[str, Any] = {
+            "dp_rank": state.args.dp_rank,
+            "phase": state.phase,
+            "num_inflight_requests": len(tm.rid_to_state) if tm is not None else 0,
+        }
+        if stats is not None:
+            load.update(
+                num_running_reqs=stats.num_running_reqs,
+                num_waiting_reqs=stats.num_waiting_reqs,
+                num_used_tokens=stats.num_used_tokens,
+                max_total_num_tokens=stats.max_total_num_tokens,
+                token_usage=stats.num_used_tokens / max(stats.max_total_num_tokens, 1),
+                gen_throughput=stats.gen_throughput,
+                timestamp=stats.time,
+            )
+        return JSONResponse(load)
+
+    # --- generation -----------------------------------------------------------------------
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        state.require_ready()
+        return await state.serving_chat.handle_request(request, raw_request)
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw_request: Request) -> Response:
+        state.require_ready()
+        return await state.serving_completion.handle_request(request, raw_request)
+
+    @app.post("/generate")
+    async def generate(raw_request: Request) -> Response:
+        tm = state.require_ready()
+        body = await _json_body(raw_request)
+        objs, is_batch = _parse_generate(body)
+        if is_batch and any(o.stream for o in objs):
+            raise RequestError("streaming is only supported for a single prompt", param="stream")
+        if not is_batch and objs[0].stream:
+            return await _stream_generate(tm, objs[0], raw_request)
+        results = await asyncio.gather(*(_collect(tm, o, raw_request) for o in objs))
+        return JSONResponse(results if is_batch else results[0])
+
+    @app.post("/abort_request")
+    async def abort_request(raw_request: Request) -> Response:
+        tm = state.require_ready()
+        body = await _json_body(raw_request)
+        rid = body.get("rid", "")
+        abort_all = bool(body.get("abort_all", False))
+        if not rid and not abort_all:
+            raise RequestError("rid or abort_all is required", param="rid")
+        found = tm.abort_request(str(rid), abort_all)
+        return JSONResponse({"success": found}, status_code=200 if found else 404)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        tm = state.require_ready()
+        out = await tm.flush_cache()
+        status = 200 if out.success else 400
+        return JSONResponse({"success": out.success, "message": out.message}, status_code=status)
+
+    asgi: Any = app
+    if state.args.dp_rank is not None:
+        asgi = RankHeaderMiddleware(asgi, state.args.dp_rank)
+    if state.args.api_key:
+        asgi = ApiKeyMiddleware(asgi, state.args.api_key)
+    return asgi
+
+
+def _health(state: ServerState) -> tuple[bool, str]:
+    if state.phase != "ready":
+        return False, state.reason or state.phase
+    tm = state.tokenizer_manager
+    silent = time.monotonic() - tm.last_heartbeat
+    if silent > HEARTBEAT_STALE_S and tm.rid_to_state:
+        return False, f"scheduler heartbeat is {silent:.0f}s old with requests in flight"
+    return True, ""
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {
+        "id": state.args.model_name,
+        "object": "model",
+        "created": int(state.started_time),
+        "owned_by": "berth",
+        "root": state.model_path or state.args.model,
+        "max_model_len": state.engine_info.get("context_len"),
+    }
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"the body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    return body
+
+
+_GENERATE_FIELDS = {
+    "text",
+    "input_ids",
+    "sampling_params",
+    "stream",
+    "rid",
+    "return_logprob",
+    "top_logprobs_num",
+    "logprob_start_len",
+    "routed_dp_rank",
+    "priority",
+    "routing_key",
+}
+
+
+def _parse_generate(body: dict[str, Any]) -> tuple[list[GenerateReqInput], bool]:
+    """Native `/generate` body -> one GenerateReqInput per prompt, and whether it was a batch."""
+    unknown = set(body) - _GENERATE_FIELDS
+    if unknown:
+        raise RequestError(f"unknown field(s): {', '.join(sorted(unknown))}", param=min(unknown))
+    raw_params = body.get("sampling_params") or {}
+    if not isinstance(raw_params, dict):
+        raise RequestError("sampling_params must be an object", param="sampling_params")
+    unknown_params = set(raw_params) - set(SamplingParams.__struct_fields__)
+    if unknown_params:
+        raise RequestError(
+            f"unknown sampling parameter(s): {', '.join(sorted(unknown_params))}",
+            param="sampling_params",
+        )
+    try:
+        params = msgspec.convert(raw_params, SamplingParams, strict=False)
+    except msgspec.ValidationError as e:
+        raise RequestError(f"sampling_params: {e}", param="sampling_params") from e
+
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (input_ids is None):
+        raise RequestError("exactly one of text or input_ids is required", param="text")
+    prompts: list[tuple[str | None, list[int] | None]]
+    if isinstance(text, str):
+        prompts, is_batch = [(text, None)], False
+    elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+        prompts, is_batch = [(t, None) for t in text], True
+    elif _is_ids(input_ids):
+        prompts, is_batch = [(None, input_ids)], False
+    elif isinstance(input_ids, list) and input_ids and all(_is_ids(ids) for ids in input_ids):
+        prompts, is_batch = [(None, ids) for ids in input_ids], True
+    else:
+        param = "text" if text is not None else "input_ids"
+        raise RequestError(f"{param} must be a string / token-id list or a non-empty list of them", param=param)
+
+    base_rid = body.get("rid")
+    common = {}
+    try:
+        for key, typ in (
+            ("stream", bool),
+            ("return_logprob", bool),
+            ("top_logprobs_num", int),
+            ("logprob_start_len", int),
+            ("routed_dp_rank", int),
+            ("priority", int),
+            ("routing_key", str),
+        ):
+            if body.get(key) is not None:
+                common[key] = msgspec.convert(body[key], typ)
+    except msgspec.ValidationError as e:
+        raise RequestError(f"{key}: {e}", param=key) from e
+    objs = []
+    for i, (t, ids) in enumerate(prompts):
+        rid = None if base_rid is None else (f"{base_rid}-{i}" if is_batch else str(base_rid))
+        objs.append(GenerateReqInput(text=t, input_ids=ids, sampling_params=params, rid=rid, **common))
+    return objs, is_batch
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+async def _collect(tm: Any, obj: GenerateReqInput, raw_request: Request) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    async for out in tm.generate_request(obj, raw_request):
+        result = out
+    return result
+
+
+async def _stream_generate(tm: Any, obj: GenerateReqInput, raw_request: Request) -> Response:
+    gen = tm.generate_request(obj, raw_request)
+    try:
+        first = await gen.__anext__()  # errors before the first token stay plain HTTP errors
+    except StopAsyncIteration:
+        first = None
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            if first is not None:
+                yield _sse(first)
+                async for out in gen:
+                    yield _sse(out)
+        except RequestError as e:
+            yield _sse({"error": e.body()})
+        finally:
+            await gen.aclose()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"

@@ -1,0 +1,239 @@
+"""launch_server: start the scheduler and detokenizer processes and the HTTP server; stop them all."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import shutil
+import signal
+import sys
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+
+from berth_runtime.entrypoints.http_server import ServerState, create_app
+from berth_runtime.models.loader import ModelSourceError, check_model_dir, resolve_model
+from berth_runtime.server_args import BUILTIN_MODEL, ServerArgs
+from berth_runtime.utils.logging import configure_logging
+from berth_runtime.utils.process import set_process_title, stop_processes
+from berth_runtime.utils.zmq_ipc import PortArgs
+
+logger = logging.getLogger(__name__)
+
+CHILD_POLL_S = 0.5
+
+
+class Engine:
+    """The child processes of one server and how to start, watch and stop them."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.ports = PortArgs.create()
+        self.procs: list[mp.process.BaseProcess] = []
+
+    def start(self, model_path: str) -> dict[str, Any]:
+        """Spawn the scheduler and detokenizer; block until both are ready (or raise)."""
+        from berth_runtime.managers.detokenizer_process import run_detokenizer_process
+        from berth_runtime.managers.scheduler_process import run_scheduler_process
+
+        ctx = mp.get_context("spawn")  # never fork a process that may hold threads or CUDA
+        infos = []
+        for name, target in (
+            ("scheduler", run_scheduler_process),
+            ("detokenizer", run_detokenizer_process),
+        ):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=target, args=(self.args, self.ports, model_path, writer), name=name, daemon=True
+            )
+            proc.start()
+            writer.close()
+            self.procs.append(proc)
+            infos.append((proc, reader))
+        engine_info: dict[str, Any] = {}
+        for proc, reader in infos:
+            try:
+                info = reader.recv()
+            except EOFError:
+                raise RuntimeError(f"the {proc.name} process exited during start-up") from None
+            if info.get("status") != "ready":
+                raise RuntimeError(f"the {proc.name} failed to start: {info.get('message')}")
+            engine_info.update({k: v for k, v in info.items() if k != "status"})
+        return engine_info
+
+    def dead_child(self) -> str | None:
+        for proc in self.procs:
+            if not proc.is_alive():
+                return f"the {proc.name} process exited unexpectedly (exit code {proc.exitcode})"
+        return None
+
+    def stop(self) -> None:
+        stop_processes(self.procs)
+        shutil.rmtree(self.ports.ipc_dir, ignore_errors=True)
+
+
+class BerthServer(uvicorn.Server):
+    """uvicorn with a draining shutdown: on SIGTERM/SIGINT refuse new work (503), let in-flight
+    requests finish for the grace period, then exit. A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self.exit_code = 0
+        self._drain_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._loop is None or self.state.phase != "ready":
+            self.should_exit = True
+            if self._drain_task is not None:
+                self.force_exit = True
+            return
+        logger.info("Received %s: draining", signal.Signals(sig).name)
+        self.state.phase = "draining"
+        self.state.reason = "shutting down"
+        self.state.tokenizer_manager.draining = True
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        tm = self.state.tokenizer_manager
+        deadline = time.monotonic() + self.state.args.graceful_shutdown_timeout
+        while tm.rid_to_state and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if tm.rid_to_state:
+            logger.warning("Grace period over: aborting %d requests", len(tm.rid_to_state))
+            tm.abort_request(abort_all=True)
+            await asyncio.sleep(0.5)
+        self.should_exit = True
+
+    def fail(self, reason: str) -> None:
+        """The engine is gone: fail in-flight requests and exit non-zero."""
+        logger.error("%s; shutting down", reason)
+        self.state.phase = "dead"
+        self.state.reason = reason
+        if self.state.tokenizer_manager is not None:
+            self.state.tokenizer_manager.mark_engine_dead(reason)
+        self.exit_code = 1
+        self.should_exit = True
+
+
+def launch_server(args: ServerArgs) -> int:
+    """Run `berth serve` until shut down; return the process exit code."""
+    configure_logging(args.log_level, "api")
+    set_process_title("api")
+    try:
+        _precheck_model(args)
+    except ModelSourceError as e:
+        print(f"berth serve: error: {e}", file=sys.stderr)
+        return 2
+
+    state = ServerState(args=args)
+    engine = Engine(args)
+    server: BerthServer
+
+    @asynccontextmanager
+    async def lifespan(_: Any):
+        server._loop = asyncio.get_running_loop()
+        starter = asyncio.create_task(_start_engine(state, engine, server))
+        watcher = asyncio.create_task(_watch_children(engine, server))
+        try:
+            yield
+        finally:
+            starter.cancel()
+            watcher.cancel()
+            if state.tokenizer_manager is not None:
+                await state.tokenizer_manager.close()
+
+    app = create_app(state, lifespan=lifespan)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        log_config=None,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+    )
+    server = BerthServer(config, state)
+    try:
+        server.run()
+    finally:
+        engine.stop()
+    if server.exit_code == 0 and not server.started:
+        return 1  # e.g. the port was taken
+    logger.info("Server stopped (exit code %d)", server.exit_code)
+    return server.exit_code
+
+
+def _precheck_model(args: ServerArgs) -> None:
+    """Fail before starting anything if `--model` cannot be what we serve (cheap checks only)."""
+    if args.model == BUILTIN_MODEL or args.model.startswith("builtin://"):
+        from berth_runtime.models.loader import builtin_gguf_path
+
+        if args.model != BUILTIN_MODEL:
+            raise ModelSourceError(f"unknown builtin model {args.model!r}; the only one is {BUILTIN_MODEL}")
+        builtin_gguf_path()
+        return
+    from pathlib import Path
+
+    path = Path(args.model.removeprefix("file://")).expanduser()
+    if not path.exists():
+        raise ModelSourceError(f"model path does not exist: {path}")
+    if path.is_dir():
+        check_model_dir(path)
+    elif path.suffix != ".gguf":
+        raise ModelSourceError(f"{path} is a file but not a .gguf file")
+
+
+async def _start_engine(state: ServerState, engine: Engine, server: BerthServer) -> None:
+    from berth_runtime.entrypoints.serving_chat import OpenAIServingChat
+    from berth_runtime.entrypoints.serving_completions import OpenAIServingCompletion
+    from berth_runtime.managers.tokenizer_manager import TokenizerManager
+
+    loop = asyncio.get_running_loop()
+    try:
+        state.reason = "resolving the model"
+        resolved = await loop.run_in_executor(
+            None, resolve_model, state.args.model, state.args.model_cache_dir
+        )
+        state.model_path = resolved.path
+        state.reason = "loading weights"
+        state.engine_info = await loop.run_in_executor(None, engine.start, resolved.path)
+        tm = await loop.run_in_executor(
+            None, TokenizerManager, state.args, engine.ports, resolved.path, state.engine_info
+        )
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        server.fail(f"start-up failed: {e}")
+        return
+    tm.start()
+    state.tokenizer_manager = tm
+    state.serving_chat = OpenAIServingChat(tm)
+    state.serving_completion = OpenAIServingCompletion(tm)
+    state.ready_time = time.time()
+    state.phase = "ready"
+    state.reason = ""
+    logger.info(
+        "Ready: serving %s on http://%s:%d (start-up %.1fs)",
+        state.args.model_name,
+        state.args.host,
+        state.args.port,
+        state.ready_time - state.started_time,
+    )
+
+
+async def _watch_children(engine: Engine, server: BerthServer) -> None:
+    while True:
+        await asyncio.sleep(CHILD_POLL_S)
+        if engine.procs:
+            reason = engine.dead_child()
+            if reason is not None and server.state.phase in ("ready", "draining", "loading"):
+                server.fail(reason)
+                return

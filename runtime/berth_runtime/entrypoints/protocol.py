@@ -1,0 +1,298 @@
+"""The OpenAI wire protocol: request, response and stream-chunk models of chat and completions.
+
+Requests accept and ignore unknown fields (clients send extras such as `tools` or `best_of`),
+treat an explicit `null` as "not set", and validate the types and bounds of the fields they know,
+so that a bad value is a 400 whose `param` names the field (see `validation_error`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from berth_runtime.errors import RequestError
+
+MAX_N = 16
+MAX_STOP_STRINGS = 64
+MAX_TOP_LOGPROBS = 20
+
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+TokenId = Annotated[int, Field(ge=0)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+FinishReason = Literal["stop", "length"]
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class OpenAIBaseModel(BaseModel):
+    """Ignores unknown fields; an explicit `null` means the field was not sent."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+
+# --- requests -------------------------------------------------------------------------------------
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class ChatMessage(OpenAIBaseModel):
+    """One message; a list of text parts is joined with newlines into one string on input."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, content: Any) -> Any:
+        if not isinstance(content, list):
+            return content
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise ValueError(
+                    f"content parts of type {kind!r} are not supported; only text parts are"
+                )
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a text content part needs a string 'text'")
+            texts.append(part["text"])
+        return "\n".join(texts)
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """Fields chat and completions share: model, sampling, stopping, streaming and routing."""
+
+    model: str | None = None  # None: the served model
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)  # -1 or 0: disabled
+    min_p: Probability = 0.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    logit_bias: dict[int, Bias] = {}  # JSON keys are token-id strings
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] = []
+    stop_token_ids: list[TokenId] = []
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    user: str | None = None  # accepted, unused
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Berth extensions: a request id, and routing signals for the DP router.
+    rid: str | None = Field(None, min_length=1)
+    routed_dp_rank: int | None = Field(None, ge=0)
+    priority: int | None = None
+    routing_key: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI, still sent by many clients
+    max_completion_tokens: int | None = Field(None, ge=1)  # wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
+        if top_logprobs and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return top_logprobs
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """The completion budget; None: up to the context limit."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int = Field(16, ge=0)  # 0 with echo scores a prompt
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, prompt: Any) -> Any:
+        prompts = _split_prompts(prompt)
+        if not prompts or not all(prompts):
+            raise ValueError("prompt must not be empty")
+        return prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request: a text or a token-id list each."""
+        return _split_prompts(self.prompt)
+
+
+def _split_prompts(prompt: Any) -> list[Any]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
+
+
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> RequestError:
+    """The 400 for pydantic errors of a request body; `param` is the first offending field."""
+    locs = [tuple(err["loc"])[1:] if err["loc"][:1] == ("body",) else err["loc"] for err in errors]
+    details = [
+        f"{'.'.join(str(part) for part in loc) or 'body'}: {err['msg']}"
+        for loc, err in zip(locs, errors, strict=True)
+    ]
+    params = [str(loc[0]) for loc in locs if loc]
+    return RequestError("; ".join(details), param=params[0] if params else None)
+
+
+# --- responses ------------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprob(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChoiceLogprobs(OpenAIBaseModel):
+    content: list[ChatCompletionTokenLogprob] | None = None
+
+
+class ChatCompletionMessage(OpenAIBaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str = ""
+
+
+class ChatCompletionChoice(OpenAIBaseModel):
+    index: int
+    message: ChatCompletionMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(OpenAIBaseModel):
+    """A stream delta; unset fields are left out, so a finish chunk's delta is `{}`."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _skip_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatCompletionStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionLogprobs(OpenAIBaseModel):
+    """Legacy completions logprobs; `text_offset` indexes the choice's `text` (echo included)."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class CompletionStreamResponse(CompletionResponse):
+    """One SSE chunk of a streamed completion (OpenAI uses the same object type)."""
+
+    usage: UsageInfo | None = None
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "berth"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = []

@@ -1,0 +1,335 @@
+"""What the OpenAI chat and completions handlers share: choices in, engine streams, JSON or SSE out.
+
+One OpenAI request becomes one `GenerateReqInput` per choice: prompt `p`'s `n` choices get
+indices `p*n .. p*n+n-1` and rid `<base>` when there is a single choice, `<base>-<index>` otherwise
+(`<base>` is the request's `rid` or a fresh uuid4 hex; the response id is `<prefix>-<base>`). With a
+`seed`, choice `j` of each prompt samples with `seed + j`, so the choices of one prompt differ while
+a prompt's first choice equals the same request sent alone.
+
+Errors: anything rejected before generation starts (bad routing header, engine rejection) is
+raised as `RequestError` and becomes a plain HTTP error. A choice aborted later becomes, when not
+streaming, the HTTP error of its abort status; when streaming, one SSE event
+`data: {"error": <error body>}` (the form for which the OpenAI SDK raises `APIError`) followed by
+`data: [DONE]`. An abort of one choice ends the whole response and aborts the other choices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any, Generic, Protocol, TypeVar
+
+import anyio
+import msgspec
+from fastapi import Request
+from pydantic import BaseModel
+from starlette.responses import Response, StreamingResponse
+from transformers import PreTrainedTokenizerBase
+
+from berth_runtime.entrypoints.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
+from berth_runtime.errors import RequestError
+from berth_runtime.io_struct import GenerateReqInput
+from berth_runtime.sampling_params import SamplingParams
+
+Output = dict[str, Any]
+RequestT = TypeVar("RequestT", bound=SamplingRequest)
+
+DP_RANK_HEADER = "X-Data-Parallel-Rank"
+ROUTING_KEY_HEADER = "X-Routing-Key"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class EngineClient(Protocol):
+    """The TokenizerManager surface the handlers use."""
+
+    tokenizer: PreTrainedTokenizerBase
+    model_name: str
+    context_len: int
+
+    def generate_request(
+        self, obj: GenerateReqInput, raw_request: Request | None = None
+    ) -> AsyncGenerator[Output, None]: ...
+
+
+class StreamChunker(Protocol):
+    """Turns one streamed request's outputs into its protocol's chunk objects."""
+
+    def opening(self) -> list[BaseModel]: ...
+
+    def advance(self, index: int, out: Output) -> list[BaseModel]: ...
+
+    def usage(self, usage: UsageInfo) -> BaseModel: ...
+
+
+class OpenAIServingBase(Generic[RequestT]):
+    """The request flow of an OpenAI endpoint; subclasses build choices and format answers."""
+
+    id_prefix: str
+
+    def __init__(self, tokenizer_manager: EngineClient) -> None:
+        self.tokenizer_manager = tokenizer_manager
+
+    async def handle_request(self, request: RequestT, raw_request: Request) -> Response:
+        self._check_model(request.model)
+        base_rid = request.rid or uuid.uuid4().hex
+        reqs = self.build_inputs(request, raw_request, base_rid)
+        streams = ChoiceStreams(self.tokenizer_manager, reqs, raw_request)
+        outputs = await streams.start()
+        response_id = f"{self.id_prefix}-{base_rid}"
+        if request.stream:
+            chunker = self.chunker(request, response_id, reqs)
+            return StreamingResponse(
+                event_stream(streams, chunker, request.n, request.include_usage),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+            )
+        await streams.close()
+        for out in outputs:
+            raise_if_aborted(out)
+        response = self.build_response(request, response_id, reqs, outputs)
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    def build_inputs(
+        self, request: RequestT, raw_request: Request, base_rid: str
+    ) -> list[GenerateReqInput]:
+        raise NotImplementedError
+
+    def chunker(
+        self, request: RequestT, response_id: str, reqs: list[GenerateReqInput]
+    ) -> StreamChunker:
+        raise NotImplementedError
+
+    def build_response(
+        self,
+        request: RequestT,
+        response_id: str,
+        reqs: list[GenerateReqInput],
+        outputs: list[Output],
+    ) -> BaseModel:
+        raise NotImplementedError
+
+    def _check_model(self, model: str | None) -> None:
+        served = self.tokenizer_manager.model_name
+        if model is not None and model != served:
+            raise RequestError(
+                f"The model `{model}` does not exist; this server serves `{served}`.",
+                404,
+                err_type="NotFoundError",
+                param="model",
+                code="model_not_found",
+            )
+
+
+def choice_inputs(
+    request: SamplingRequest,
+    raw_request: Request,
+    prompts: Sequence[str | list[int]],
+    base_rid: str,
+    sampling_params: SamplingParams,
+    *,
+    return_logprob: bool = False,
+    top_logprobs_num: int = 0,
+    logprob_start_len: int = -1,
+) -> list[GenerateReqInput]:
+    """One GenerateReqInput per choice, in choice-index order (see the module docstring)."""
+    routing = routing_signals(request, raw_request)
+    total = len(prompts) * request.n
+    reqs = []
+    for index in range(total):
+        prompt = prompts[index // request.n]
+        params = sampling_params
+        if request.seed is not None:
+            params = msgspec.structs.replace(params, seed=request.seed + index % request.n)
+        reqs.append(
+            GenerateReqInput(
+                text=prompt if isinstance(prompt, str) else None,
+                input_ids=None if isinstance(prompt, str) else list(prompt),
+                sampling_params=params,
+                rid=base_rid if total == 1 else f"{base_rid}-{index}",
+                stream=request.stream,
+                return_logprob=return_logprob,
+                top_logprobs_num=top_logprobs_num,
+                logprob_start_len=logprob_start_len,
+                **routing,
+            )
+        )
+    return reqs
+
+
+def sampling_params(request: SamplingRequest, max_new_tokens: int | None) -> SamplingParams:
+    """The OpenAI sampling fields as SamplingParams (top_k 0 means disabled, like -1)."""
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=request.min_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k or -1,
+        min_p=request.min_p,
+        stop=[request.stop] if isinstance(request.stop, str) else list(request.stop),
+        stop_token_ids=list(request.stop_token_ids),
+        ignore_eos=request.ignore_eos,
+        skip_special_tokens=request.skip_special_tokens,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
+        logit_bias=dict(request.logit_bias),
+        seed=request.seed,
+    )
+
+
+def routing_signals(request: SamplingRequest, raw_request: Request) -> dict[str, Any]:
+    """DP rank, priority and routing key; a body field wins over its header."""
+    dp_rank = request.routed_dp_rank
+    header = raw_request.headers.get(DP_RANK_HEADER)
+    if dp_rank is None and header is not None:
+        try:
+            dp_rank = int(header)
+        except ValueError:
+            dp_rank = -1
+        if dp_rank < 0:
+            raise RequestError(
+                f"{DP_RANK_HEADER} must be a non-negative integer, got {header!r}",
+                param=DP_RANK_HEADER,
+            )
+    return {
+        "routed_dp_rank": dp_rank,
+        "priority": request.priority,
+        "routing_key": request.routing_key or raw_request.headers.get(ROUTING_KEY_HEADER),
+    }
+
+
+def usage_info(outputs: Sequence[Output], n: int) -> UsageInfo:
+    """Exact usage. As OpenAI bills it, a prompt counts once however many choices it has;
+    its cached tokens are the fewest any of its choices found cached (what was cached before)."""
+    metas = [out["meta_info"] for out in outputs]
+    per_prompt = [metas[start : start + n] for start in range(0, len(metas), n)]
+    prompt_tokens = sum(group[0]["prompt_tokens"] for group in per_prompt)
+    completion_tokens = sum(meta["completion_tokens"] for meta in metas)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=sum(min(meta["cached_tokens"] for meta in group) for group in per_prompt)
+        ),
+    )
+
+
+def finish_reason(out: Output) -> str | None:
+    reason = out["meta_info"]["finish_reason"]
+    return None if reason is None else reason["type"]
+
+
+def raise_if_aborted(out: Output) -> None:
+    """An aborted choice (client gone, /abort_request, engine failure) as its RequestError."""
+    reason = out["meta_info"]["finish_reason"]
+    if reason is not None and reason["type"] == "abort":
+        raise RequestError(
+            reason.get("message") or "the request was aborted", reason.get("status_code") or 500
+        )
+
+
+def finite(logprob: float) -> float:
+    """A JSON-safe logprob: -inf (a token masked out) becomes -9999.0, as vLLM does."""
+    return max(logprob, -9999.0)
+
+
+def sse_event(payload: BaseModel | dict[str, Any], exclude: set[str] | None = None) -> str:
+    if isinstance(payload, BaseModel):
+        return f"data: {payload.model_dump_json(exclude=exclude)}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+async def event_stream(
+    streams: ChoiceStreams, chunker: StreamChunker, n: int, include_usage: bool
+) -> AsyncIterator[str]:
+    """The SSE body: the chunks of every output, the usage chunk if asked for, then [DONE].
+
+    Chunks carry `"usage": null` only when usage was asked for, as OpenAI's do. Closing this
+    generator early (the client went away) closes the engine streams, which aborts their requests.
+    """
+    exclude = None if include_usage else {"usage"}
+    try:
+        for chunk in chunker.opening():
+            yield sse_event(chunk, exclude)
+        async for index, out in streams.outputs():
+            raise_if_aborted(out)
+            for chunk in chunker.advance(index, out):
+                yield sse_event(chunk, exclude)
+        if include_usage:
+            yield sse_event(chunker.usage(usage_info(streams.latest, n)))
+    except RequestError as err:
+        yield sse_event({"error": err.body()})
+    finally:
+        await streams.close()
+    yield SSE_DONE
+
+
+class ChoiceStreams:
+    """The engine output streams of one request's choices, read concurrently."""
+
+    def __init__(
+        self, engine: EngineClient, reqs: Sequence[GenerateReqInput], raw_request: Request
+    ) -> None:
+        self._gens = [engine.generate_request(req, raw_request) for req in reqs]
+        self._pending: dict[int, asyncio.Future[Output]] = {}
+        self.latest: list[Output] = []  # the newest output of each choice
+
+    async def start(self) -> list[Output]:
+        """Submit every choice and return its first output (its only one when not streaming).
+
+        A choice rejected before its first output closes all the others and re-raises, so that the
+        client gets a plain HTTP error rather than a stream that fails.
+        """
+        self._pending = {index: self._read(index) for index in range(len(self._gens))}
+        try:
+            await asyncio.wait(self._pending.values(), return_when=asyncio.FIRST_EXCEPTION)
+            for task in self._pending.values():
+                error = task.exception() if task.done() else None
+                if error is not None:
+                    raise error
+        except BaseException:
+            await self.close()
+            raise
+        first, self._pending = self._pending, {}
+        self.latest = [task.result() for task in first.values()]
+        for index, out in enumerate(self.latest):
+            self._read_next_if_running(index, out)
+        return self.latest
+
+    async def outputs(self) -> AsyncIterator[tuple[int, Output]]:
+        """Yield (index, output): the first outputs in index order, then later ones as they come."""
+        for index, out in enumerate(list(self.latest)):
+            yield index, out
+        while self._pending:
+            done, _ = await asyncio.wait(
+                self._pending.values(), return_when=asyncio.FIRST_COMPLETED
+            )
+            for index in sorted(i for i, task in self._pending.items() if task in done):
+                out = self._pending.pop(index).result()
+                self.latest[index] = out
+                self._read_next_if_running(index, out)
+                yield index, out
+
+    async def close(self) -> None:
+        """Stop reading and close every stream; the engine aborts the choices not yet finished.
+
+        Shielded, so that it completes even when the caller is being cancelled (client gone).
+        """
+        pending, self._pending = list(self._pending.values()), {}
+        with anyio.CancelScope(shield=True):
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for gen in self._gens:
+                await gen.aclose()
+
+    def _read(self, index: int) -> asyncio.Future[Output]:
+        return asyncio.ensure_future(anext(self._gens[index]))
+
+    def _read_next_if_running(self, index: int, out: Output) -> None:
+        if finish_reason(out) is None:
+            self._pending[index] = self._read(index)

@@ -1,0 +1,1 @@
+"""The request path's processes: tokenizer manager, scheduler, detokenizer."""

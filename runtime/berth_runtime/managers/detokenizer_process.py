@@ -1,0 +1,51 @@
+"""The detokenizer process: BatchTokenIDOut in, BatchStrOut out, one request's text at a time."""
+
+from __future__ import annotations
+
+import logging
+import os
+from multiprocessing.connection import Connection
+
+import zmq
+
+from berth_runtime.io_struct import ToDetokenizer
+from berth_runtime.managers.detokenizer_manager import IncrementalDetokenizer, detokenize_batch
+from berth_runtime.server_args import ServerArgs
+from berth_runtime.utils.logging import configure_logging
+from berth_runtime.utils.process import init_child_process
+from berth_runtime.utils.zmq_ipc import PortArgs, Receiver, Sender
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 500
+
+
+def run_detokenizer_process(
+    args: ServerArgs, ports: PortArgs, model_path: str, ready: Connection
+) -> None:
+    parent_pid = init_child_process("detokenizer")
+    configure_logging(args.log_level, "detokenizer")
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        ctx = zmq.Context()
+        recv_from_scheduler = Receiver(ctx, ports.detokenizer_input, ToDetokenizer)
+        send_to_tokenizer = Sender(ctx, ports.tokenizer_input)
+    except Exception as e:
+        logger.exception("Detokenizer failed to start")
+        ready.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
+        return
+    ready.send({"status": "ready"})
+    ready.close()
+
+    detok = IncrementalDetokenizer(
+        lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
+    )
+    while True:
+        batch = recv_from_scheduler.recv(POLL_MS)
+        if batch is None:
+            if os.getppid() != parent_pid:
+                return
+            continue
+        send_to_tokenizer.send(detokenize_batch(detok, batch))

@@ -1,0 +1,474 @@
+"""Scheduler: admit requests, batch them continuously, run the model, and report new tokens."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from berth_runtime.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    FinishReason,
+    FlushCacheOut,
+    FlushCacheReq,
+    SchedulerStats,
+    TokenizedGenerateReqInput,
+)
+from berth_runtime.managers.schedule_batch import Req
+from berth_runtime.model_executor.forward_batch import ForwardBatch
+from berth_runtime.model_executor.sampler import SamplingBatchInfo, apply_penalties, sample
+from berth_runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# Decode tokens of each running request assumed when admitting new ones (capped per request), as a
+# fraction of what it may still generate: a guess that keeps retraction rare without idling memory.
+RESERVE_TOKENS_CAP = 256
+RESERVE_RATIO = 0.5
+
+
+@dataclass
+class StepStats:
+    """Counters the heartbeat reports."""
+
+    step_count: int = 0
+    generated_tokens: int = 0
+    window_start: float = field(default_factory=time.monotonic)
+    window_tokens: int = 0
+    last_throughput: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class ExtendEntry:
+    """A slice [start, end) of a request's tokens prefilled in one step."""
+
+    req: Req
+    start: int
+    end: int
+
+
+class Scheduler:
+    """Continuous batching over a ModelRunner; owns every `Req` from arrival to finish.
+
+    `step()` is one unit of work: schedule a prefill (extend) or a decode batch, run it, and return
+    the outputs to send. Requests join between steps and leave as soon as they finish.
+    """
+
+    def __init__(
+        self,
+        args: ServerArgs,
+        runner,
+        *,
+        eos_token_ids: set[int],
+        decode: Callable[[list[int]], str],
+    ) -> None:
+        self.args = args
+        self.runner = runner
+        self.kv_pool = runner.kv_pool
+        self.req_to_token = runner.req_to_token_pool
+        self.device = runner.device
+        self.vocab_size = runner.vocab_size
+        self.context_len = runner.context_len
+        self.max_total_tokens = self.kv_pool.size
+        self.eos_token_ids = eos_token_ids
+        self.decode = decode
+        self.max_running = min(args.max_running_requests, self.req_to_token.max_reqs)
+        self.prefill_budget = (
+            args.chunked_prefill_size if args.chunked_prefill_size > 0 else args.max_prefill_tokens
+        )
+        self.chunking = args.chunked_prefill_size > 0
+
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.last_step_was_prefill = False
+        self.finished_unsent: list[Req] = []  # finished outside a step (aborted, rejected)
+        self.stats = StepStats()
+
+    # --- inputs ------------------------------------------------------------------------------
+
+    def handle_generate(self, msg: TokenizedGenerateReqInput) -> None:
+        prompt_len = len(msg.input_ids)
+        room = min(self.context_len, self.max_total_tokens) - prompt_len
+        max_new = msg.sampling_params.max_new_tokens
+        max_new = room if max_new is None else min(max_new, room)
+        req = Req.from_tokenized(msg, max_new)
+        if room <= 0 or prompt_len == 0:
+            self._finish_abort(req, f"prompt of {prompt_len} tokens does not fit", 400)
+            return
+        if max_new == 0:
+            req.finished_reason = FinishReason("length")
+            self.finished_unsent.append(req)
+            return
+        limit = self.args.max_queued_requests
+        if limit is not None and len(self.waiting) >= limit:
+            self._finish_abort(req, f"too many queued requests ({limit}); retry later", 503)
+            return
+        self.waiting.append(req)
+
+    def handle_abort(self, msg: AbortReq) -> None:
+        for req in self._all_live_reqs():
+            if msg.abort_all or req.rid == msg.rid:
+                self._finish_abort(req, msg.message, msg.status_code)
+
+    def handle_flush_cache(self, _: FlushCacheReq) -> FlushCacheOut:
+        if self.running or self.waiting or self.chunked_req:
+            return FlushCacheOut(success=False, message="the scheduler is busy; retry when idle")
+        self.kv_pool.clear()
+        self.req_to_token.clear()
+        return FlushCacheOut(success=True)
+
+    def _all_live_reqs(self) -> list[Req]:
+        reqs = self.waiting + self.running
+        if self.chunked_req is not None and self.chunked_req not in reqs:
+            reqs.append(self.chunked_req)
+        return reqs
+
+    def _finish_abort(self, req: Req, message: str, status_code: int) -> None:
+        req.finished_reason = FinishReason("abort", message=message, status_code=status_code)
+        self._release(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
+        self.finished_unsent.append(req)
+
+    # --- the step ----------------------------------------------------------------------------
+
+    @property
+    def is_idle(self) -> bool:
+        return not (self.waiting or self.running or self.chunked_req or self.finished_unsent)
+
+    def step(self) -> BatchTokenIDOut | None:
+        """Run one batch; return what advanced (None when there was nothing to do)."""
+        advanced: list[Req] = self.finished_unsent
+        self.finished_unsent = []
+        # Alternate with decode while a long prompt is being chunked, so streams keep flowing.
+        prefill_first = not (self.last_step_was_prefill and self.running)
+        entries = self._schedule_extend() if prefill_first else []
+        if entries:
+            advanced += self._run_extend(entries)
+            self.last_step_was_prefill = True
+        elif self.running:
+            advanced += self._run_decode()
+            self.last_step_was_prefill = False
+        else:
+            self.last_step_was_prefill = False
+        if advanced:
+            self.stats.step_count += 1
+        return self._make_output(advanced) if advanced else None
+
+    def _schedule_extend(self) -> list[ExtendEntry]:
+        budget = self.prefill_budget
+        entries: list[ExtendEntry] = []
+        reserved = sum(self._reserve(r) for r in self.running)
+        candidates = ([self.chunked_req] if self.chunked_req else []) + self._ordered_waiting()
+        num_live = len(self.running) + (1 if self.chunked_req else 0)
+        for req in candidates:
+            is_new = req is not self.chunked_req
+            if is_new and num_live >= self.max_running:
+                break
+            remaining = req.fill_len - req.kv_len
+            chunk = min(remaining, budget)
+            if chunk < remaining and not self.chunking and not entries:
+                chunk = remaining  # chunking disabled: a long prompt runs alone, whole
+            if chunk <= 0 or (chunk < remaining and not self.chunking):
+                break
+            reserve = self._reserve(req) if chunk == remaining else 0
+            if chunk + reserved + reserve > self.kv_pool.available_size():
+                if entries or self.running:
+                    break  # wait for memory to be freed by running requests
+                chunk = min(chunk, self.kv_pool.available_size())  # run what fits
+                if chunk <= 0 or (chunk < remaining and not self.chunking):
+                    break
+            if req.req_row is None:
+                row = self.req_to_token.alloc()
+                if row is None:
+                    break
+                req.req_row = row
+            if is_new:
+                self.waiting.remove(req)
+                num_live += 1
+            if not req.scheduled_time:
+                req.scheduled_time = time.time()
+            entries.append(ExtendEntry(req, req.kv_len, req.kv_len + chunk))
+            budget -= chunk
+            reserved += reserve
+            if chunk < remaining:
+                self.chunked_req = req
+                break
+            if req is self.chunked_req:
+                self.chunked_req = None
+            if budget <= 0:
+                break
+        return entries
+
+    def _ordered_waiting(self) -> list[Req]:
+        if self.args.schedule_policy == "priority":
+            return sorted(self.waiting, key=lambda r: (-r.priority, r.queued_time))
+        return list(self.waiting)
+
+    @staticmethod
+    def _reserve(req: Req) -> int:
+        return int(min(req.remaining_new_tokens, RESERVE_TOKENS_CAP) * RESERVE_RATIO)
+
+    def _run_extend(self, entries: list[ExtendEntry]) -> list[Req]:
+        total = sum(e.end - e.start for e in entries)
+        slots = self.kv_pool.alloc(total)
+        assert slots is not None, "admission checked the pool"
+        table = self.req_to_token.req_to_token
+        input_ids: list[int] = []
+        offset = 0
+        for e in entries:
+            n = e.end - e.start
+            table[e.req.req_row, e.start : e.end] = slots[offset : offset + n]
+            input_ids += e.req.fill_ids(e.start, e.end)
+            offset += n
+        batch = ForwardBatch.build(
+            input_ids,
+            [e.start for e in entries],
+            [e.end - e.start for e in entries],
+            slots,
+            [e.req.req_row for e in entries],
+            table,
+            self.device,
+        )
+        hidden = self.runner.forward(batch)
+
+        row_start = 0
+        for e in entries:
+            e.req.kv_len = e.end
+            if e.req.return_prompt_logprobs:
+                rows = hidden[row_start : row_start + (e.end - e.start)]
+                self._add_prompt_logprobs(e.req, e.start, e.end, rows)
+            row_start += e.end - e.start
+        done = [i for i, e in enumerate(entries) if e.end == e.req.fill_len]
+        if not done:
+            return []
+        reqs = [entries[i].req for i in done]
+        self.stats.prompt_tokens += sum(len(r.origin_input_ids) for r in reqs if not r.output_ids)
+        logits = self.runner.compute_logits(hidden[batch.last_token_index[done]])
+        self._sample_and_finish(reqs, logits)
+        for req in reqs:
+            if not req.finished:
+                self.running.append(req)
+        return reqs
+
+    def _run_decode(self) -> list[Req]:
+        self._retract_until_fits(len(self.running))
+        reqs = self.running
+        slots = self.kv_pool.alloc(len(reqs))
+        assert slots is not None, "retraction made room"
+        rows = [r.req_row for r in reqs]
+        positions = [r.kv_len for r in reqs]
+        table = self.req_to_token.req_to_token
+        table[torch.tensor(rows), torch.tensor(positions)] = slots
+        batch = ForwardBatch.build(
+            [r.output_ids[-1] for r in reqs],
+            positions,
+            [1] * len(reqs),
+            slots,
+            rows,
+            table,
+            self.device,
+        )
+        hidden = self.runner.forward(batch)
+        for r in reqs:
+            r.kv_len += 1
+        logits = self.runner.compute_logits(hidden)
+        advanced = list(reqs)
+        self._sample_and_finish(advanced, logits)
+        self.running = [r for r in reqs if not r.finished]
+        return advanced
+
+    def _retract_until_fits(self, need: int) -> None:
+        """Out of KV memory: push the newest, lowest-priority requests back to the queue.
+
+        Their output so far is kept; they are prefilled again (prompt + output) when memory frees.
+        """
+        while self.kv_pool.available_size() < need and len(self.running) > 1:
+            victim = min(self.running, key=lambda r: (r.priority, -r.queued_time))
+            self.running.remove(victim)
+            self._release(victim)
+            self.waiting.insert(0, victim)
+            need -= 1
+            logger.info(
+                "KV cache full: retracted %s (%d tokens kept)", victim.rid, len(victim.output_ids)
+            )
+
+    def _release(self, req: Req) -> None:
+        """Give a request's KV slots and table row back."""
+        if req.req_row is None:
+            return
+        table = self.req_to_token.req_to_token
+        self.kv_pool.free(table[req.req_row, : req.kv_len].clone())
+        self.req_to_token.free(req.req_row)
+        req.req_row = None
+        req.kv_len = 0
+
+    # --- sampling and finishing --------------------------------------------------------------
+
+    def _sample_and_finish(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        raw_logprobs = None
+        if any(r.return_logprob for r in reqs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        self._process_logits(reqs, logits)
+        infos = SamplingBatchInfo.build(
+            [r.sampling_params for r in reqs],
+            [r.generator for r in reqs],
+            self.vocab_size,
+            self.device,
+        )
+        next_ids = sample(logits, infos).tolist()
+        now = time.time()
+        for i, (req, token) in enumerate(zip(reqs, next_ids)):
+            req.output_ids.append(token)
+            if not req.first_token_time:
+                req.first_token_time = now
+            if raw_logprobs is not None and req.return_logprob:
+                req.output_token_logprobs.append(float(raw_logprobs[i, token]))
+                if req.top_logprobs_num:
+                    req.output_top_logprobs.append(_top(raw_logprobs[i], req.top_logprobs_num))
+            self._check_finished(req)
+            if req.finished:
+                self._release(req)
+        self.stats.generated_tokens += len(reqs)
+        self.stats.window_tokens += len(reqs)
+
+    def _process_logits(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        """Logit bias, penalties and min_tokens, only for the rows that ask for them."""
+        for i, req in enumerate(reqs):
+            params = req.sampling_params
+            if params.logit_bias:
+                ids = torch.tensor(list(params.logit_bias), device=logits.device)
+                bias = torch.tensor(list(params.logit_bias.values()), device=logits.device)
+                logits[i, ids] += bias
+            if params.has_penalties:
+                apply_penalties(logits, i, params, req.output_ids, req.origin_input_ids)
+            if len(req.output_ids) < params.min_new_tokens:
+                banned = set(params.stop_token_ids)
+                if not params.ignore_eos:
+                    banned |= self.eos_token_ids
+                if banned:
+                    logits[i, list(banned)] = float("-inf")
+
+    def _check_finished(self, req: Req) -> None:
+        params = req.sampling_params
+        token = req.output_ids[-1]
+        num_out = len(req.output_ids)
+        if num_out >= params.min_new_tokens:
+            if token in params.stop_token_ids or (
+                not params.ignore_eos and token in self.eos_token_ids
+            ):
+                req.finished_reason = FinishReason("stop", matched_token=token)
+                return
+            if params.stop:
+                # A stop string can only have been completed by the newest tokens.
+                tail = self.decode(req.output_ids[-(req.max_stop_str_len + 4) :])
+                for stop in params.stop:
+                    if stop in tail:
+                        req.finished_reason = FinishReason("stop", matched_str=stop)
+                        return
+        if num_out >= req.max_new_tokens or req.fill_len >= self.context_len:
+            req.finished_reason = FinishReason("length")
+
+    def _add_prompt_logprobs(self, req: Req, start: int, end: int, hidden: torch.Tensor) -> None:
+        """Logprob of each prompt token given the ones before it (the first has none)."""
+        prompt = req.origin_input_ids
+        if start == 0:
+            req.input_token_logprobs.append(None)
+            req.input_top_logprobs.append(None)
+        logprobs = torch.log_softmax(self.runner.compute_logits(hidden), dim=-1)
+        for offset in range(end - start):
+            pos = start + offset + 1  # the token this position predicts
+            if pos >= len(prompt):
+                break
+            req.input_token_logprobs.append(float(logprobs[offset, prompt[pos]]))
+            if req.top_logprobs_num:
+                req.input_top_logprobs.append(_top(logprobs[offset], req.top_logprobs_num))
+
+    # --- outputs -----------------------------------------------------------------------------
+
+    def _make_output(self, reqs: list[Req]) -> BatchTokenIDOut:
+        out = BatchTokenIDOut(
+            rids=[],
+            new_token_ids=[],
+            finished_reasons=[],
+            prompt_tokens=[],
+            completion_tokens=[],
+            cached_tokens=[],
+            skip_special_tokens=[],
+            stop_strs=[],
+            output_token_logprobs=[],
+            output_top_logprobs=[],
+            input_token_logprobs=[],
+            input_top_logprobs=[],
+            scheduled_times=[],
+            first_token_times=[],
+        )
+        for req in reqs:
+            start = req.sent_len
+            req.sent_len = len(req.output_ids)
+            out.rids.append(req.rid)
+            out.new_token_ids.append(req.output_ids[start:])
+            out.finished_reasons.append(req.finished_reason)
+            out.prompt_tokens.append(len(req.origin_input_ids))
+            out.completion_tokens.append(len(req.output_ids))
+            out.cached_tokens.append(req.cached_tokens)
+            out.skip_special_tokens.append(req.sampling_params.skip_special_tokens)
+            out.stop_strs.append(req.sampling_params.stop)
+            if req.return_logprob:
+                out.output_token_logprobs.append(req.output_token_logprobs[start:])
+                out.output_top_logprobs.append(
+                    req.output_top_logprobs[start:] if req.top_logprobs_num else None
+                )
+            else:
+                out.output_token_logprobs.append(None)
+                out.output_top_logprobs.append(None)
+            send_prompt = req.return_prompt_logprobs and not req.prompt_logprobs_sent
+            send_prompt = send_prompt and (bool(req.output_ids) or req.finished)
+            if send_prompt:
+                req.prompt_logprobs_sent = True
+                out.input_token_logprobs.append(req.input_token_logprobs)
+                out.input_top_logprobs.append(req.input_top_logprobs if req.top_logprobs_num else None)
+            else:
+                out.input_token_logprobs.append(None)
+                out.input_top_logprobs.append(None)
+            out.scheduled_times.append(req.scheduled_time)
+            out.first_token_times.append(req.first_token_time)
+        return out
+
+    def get_stats(self) -> SchedulerStats:
+        now = time.monotonic()
+        elapsed = now - self.stats.window_start
+        if elapsed >= 1.0 or self.is_idle:
+            self.stats.last_throughput = self.stats.window_tokens / elapsed if elapsed > 0 else 0.0
+            self.stats.window_start = now
+            self.stats.window_tokens = 0
+        used = self.max_total_tokens - self.kv_pool.available_size()
+        return SchedulerStats(
+            time=time.time(),
+            num_running_reqs=len(self.running) + (1 if self.chunked_req else 0),
+            num_waiting_reqs=len(self.waiting),
+            num_used_tokens=used,
+            num_cached_tokens=0,
+            max_total_num_tokens=self.max_total_tokens,
+            gen_throughput=self.stats.last_throughput,
+            cache_hit_rate=(
+                self.stats.cached_tokens / self.stats.prompt_tokens if self.stats.prompt_tokens else 0.0
+            ),
+            step_count=self.stats.step_count,
+        )
+
+
+def _top(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]]:
+    values, ids = torch.topk(logprobs, k)
+    return list(zip(values.tolist(), ids.tolist()))

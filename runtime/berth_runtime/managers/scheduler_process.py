@@ -1,0 +1,157 @@
+"""The scheduler process: load the model, then loop receiving requests and running steps."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from multiprocessing.connection import Connection
+
+import torch
+import zmq
+
+from berth_runtime.io_struct import (
+    AbortReq,
+    FlushCacheReq,
+    TokenizedGenerateReqInput,
+    ToScheduler,
+)
+from berth_runtime.managers.scheduler import Scheduler
+from berth_runtime.model_executor.model_runner import LoadProgress, ModelRunner
+from berth_runtime.server_args import ServerArgs
+from berth_runtime.utils.logging import configure_logging
+from berth_runtime.utils.process import init_child_process
+from berth_runtime.utils.zmq_ipc import PortArgs, Receiver, Sender
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 0.5
+IDLE_POLL_MS = 100
+LOG_INTERVAL_S = 10.0
+
+
+def load_tokenizer(model_path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def eos_token_ids(model_path: str, tokenizer) -> set[int]:
+    """EOS ids from the tokenizer, the model config and the generation config."""
+    from transformers import AutoConfig, GenerationConfig
+
+    ids: set[int] = set()
+    candidates = [tokenizer.eos_token_id, getattr(AutoConfig.from_pretrained(model_path), "eos_token_id", None)]
+    try:
+        candidates.append(GenerationConfig.from_pretrained(model_path).eos_token_id)
+    except OSError:
+        pass
+    for value in candidates:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
+
+
+def run_scheduler_process(
+    args: ServerArgs, ports: PortArgs, model_path: str, ready: Connection
+) -> None:
+    parent_pid = init_child_process("scheduler")
+    configure_logging(args.log_level, "scheduler")
+    try:
+        progress = LoadProgress()
+        runner = ModelRunner(
+            model_path,
+            dtype=args.dtype,
+            device=args.device,
+            context_length=args.context_length,
+            max_total_tokens=args.max_total_tokens,
+            max_running_requests=args.max_running_requests,
+            seed=args.random_seed,
+            progress=progress,
+        )
+        tokenizer = load_tokenizer(model_path)
+        scheduler = Scheduler(
+            args,
+            runner,
+            eos_token_ids=eos_token_ids(model_path, tokenizer),
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        )
+        warmup(scheduler)
+    except Exception as e:
+        logger.exception("Scheduler failed to start")
+        ready.send({"status": "error", "message": f"{type(e).__name__}: {e}"})
+        return
+    ready.send(
+        {
+            "status": "ready",
+            "context_len": runner.context_len,
+            "max_total_num_tokens": runner.kv_pool.size,
+            "vocab_size": runner.vocab_size,
+            "device": str(runner.device),
+            "dtype": str(runner.dtype).removeprefix("torch."),
+            "load_time_s": runner.load_time_s,
+            "weight_bytes": runner.weight_bytes,
+            "kv_bytes_per_token": runner.kv_pool.bytes_per_token,
+            "max_running_requests": scheduler.max_running,
+        }
+    )
+    ready.close()
+    event_loop(scheduler, ports, parent_pid)
+
+
+def warmup(scheduler: Scheduler) -> None:
+    """One real prefill + decode, so the first user request does not pay for lazy initialisation."""
+    from berth_runtime.sampling_params import SamplingParams
+
+    msg = TokenizedGenerateReqInput(
+        rid="__warmup__",
+        input_ids=[1, 2, 3, 4],
+        sampling_params=SamplingParams(max_new_tokens=2, ignore_eos=True),
+    )
+    scheduler.handle_generate(msg)
+    while not scheduler.is_idle:
+        scheduler.step()
+    scheduler.stats.generated_tokens = scheduler.stats.window_tokens = 0
+    scheduler.stats.prompt_tokens = scheduler.stats.step_count = 0
+
+
+def event_loop(scheduler: Scheduler, ports: PortArgs, parent_pid: int) -> None:
+    ctx = zmq.Context()
+    recv_from_tokenizer = Receiver(ctx, ports.scheduler_input, ToScheduler)
+    send_to_detokenizer = Sender(ctx, ports.detokenizer_input)
+    send_to_tokenizer = Sender(ctx, ports.tokenizer_input)
+    last_heartbeat = 0.0
+    last_log = time.monotonic()
+    with torch.inference_mode():
+        while True:
+            timeout = IDLE_POLL_MS if scheduler.is_idle else 0
+            for msg in recv_from_tokenizer.recv_all(timeout):
+                if isinstance(msg, TokenizedGenerateReqInput):
+                    scheduler.handle_generate(msg)
+                elif isinstance(msg, AbortReq):
+                    scheduler.handle_abort(msg)
+                elif isinstance(msg, FlushCacheReq):
+                    send_to_tokenizer.send(scheduler.handle_flush_cache(msg))
+            out = scheduler.step()
+            if out is not None:
+                send_to_detokenizer.send(out)
+            now = time.monotonic()
+            if now - last_heartbeat >= HEARTBEAT_INTERVAL_S:
+                last_heartbeat = now
+                stats = scheduler.get_stats()
+                send_to_tokenizer.send(stats)
+                if now - last_log >= LOG_INTERVAL_S and not scheduler.is_idle:
+                    last_log = now
+                    logger.info(
+                        "Decode batch. #running-req: %d, #queue-req: %d, token usage: %.2f, "
+                        "gen throughput (token/s): %.1f",
+                        stats.num_running_reqs,
+                        stats.num_waiting_reqs,
+                        stats.num_used_tokens / stats.max_total_num_tokens,
+                        stats.gen_throughput,
+                    )
+                if os.getppid() != parent_pid:
+                    logger.error("Parent process is gone; exiting")
+                    return

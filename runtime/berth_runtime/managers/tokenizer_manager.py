@@ -1,0 +1,357 @@
+"""TokenizerManager (API process): GenerateReqInput -> ReqState + TokenizedGenerateReqInput, and
+the engine's outputs back to the awaiting HTTP handler."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from berth_runtime.errors import EngineDeadError, RequestError
+from berth_runtime.io_struct import (
+    AbortReq,
+    BatchStrOut,
+    FinishReason,
+    FlushCacheOut,
+    FlushCacheReq,
+    GenerateReqInput,
+    SchedulerStats,
+    TokenizedGenerateReqInput,
+    ToTokenizer,
+)
+from berth_runtime.sampling_params import SamplingParamsError
+from berth_runtime.server_args import ServerArgs
+from berth_runtime.utils.zmq_ipc import PortArgs
+
+logger = logging.getLogger(__name__)
+
+# How often a non-streaming request checks whether its client is still there.
+DISCONNECT_POLL_S = 1.0
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ReqState:
+    """API-side state of one request, created before tokenization and kept in `rid_to_state`."""
+
+    obj: GenerateReqInput
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    updated: bool = False  # new output since the handler last looked
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    output_token_logprobs: list[tuple[float, int, str]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int, str]]] = field(default_factory=list)
+    input_token_logprobs: list[tuple[float | None, int, str]] | None = None
+    input_top_logprobs: list[list[tuple[float, int, str]] | None] | None = None
+    input_ids: list[int] = field(default_factory=list)
+    # Time stamps (time.time()) along the chain.
+    received_time: float = field(default_factory=time.time)
+    tokenized_time: float = 0.0
+    scheduled_time: float = 0.0
+    first_token_time: float = 0.0
+    finished_time: float = 0.0
+
+
+class TokenizerManager:
+    """Tokenizes requests, sends them to the scheduler, and streams results back per request."""
+
+    def __init__(self, args: ServerArgs, ports: PortArgs, model_path: str, engine_info: dict) -> None:
+        from transformers import AutoTokenizer
+
+        self.args = args
+        self.model_name = args.model_name
+        self.model_path = model_path
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.engine_info = engine_info
+        self.context_len: int = engine_info["context_len"]
+        self.max_total_tokens: int = engine_info["max_total_num_tokens"]
+        self.vocab_size: int = engine_info["vocab_size"]
+        self.rid_to_state: dict[str, ReqState] = {}
+        self.last_stats: SchedulerStats | None = None
+        self.last_heartbeat = time.monotonic()
+        self.draining = False
+        self.dead_reason: str | None = None
+        self._flush_waiters: list[asyncio.Future[FlushCacheOut]] = []
+        self._token_text_cache: dict[int, str] = {}
+
+        self.ctx = zmq.asyncio.Context()
+        self.send_to_scheduler = self.ctx.socket(zmq.PUSH)
+        self.send_to_scheduler.setsockopt(zmq.LINGER, 0)
+        self.send_to_scheduler.connect(ports.scheduler_input)
+        self.recv_from_engine = self.ctx.socket(zmq.PULL)
+        self.recv_from_engine.bind(ports.tokenizer_input)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(ToTokenizer)
+        self._loop_task: asyncio.Task[None] | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start consuming engine outputs (call from inside the server's event loop)."""
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(self._handle_loop())
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        self.ctx.destroy(linger=0)
+
+    def mark_engine_dead(self, reason: str) -> None:
+        """A child process died: fail every in-flight request now instead of letting it hang."""
+        self.dead_reason = reason
+        for state in self.rid_to_state.values():
+            if not state.finished:
+                state.finished = True
+                state.finish_reason = FinishReason(
+                    "abort", message=reason, status_code=HTTPStatus.INTERNAL_SERVER_ERROR
+                )
+                state.updated = True
+                state.event.set()
+
+    # --- the request path ----------------------------------------------------------------------
+
+    async def generate_request(
+        self, obj: GenerateReqInput, raw_request: Any | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Run one request; yield output dicts (one per step if streaming, else one at the end).
+
+        Rejections raise RequestError before the first yield. Closing the generator early (the
+        client went away) aborts the request in the scheduler.
+        """
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if self.draining:
+            raise RequestError("the server is shutting down", HTTPStatus.SERVICE_UNAVAILABLE)
+        rid = obj.rid or uuid.uuid4().hex
+        if rid in self.rid_to_state:
+            raise RequestError(f"a request with rid {rid!r} is already running", param="rid")
+        state = ReqState(obj=obj)
+        self.rid_to_state[rid] = state
+        try:
+            tokenized = self._tokenize(obj, rid, state)
+            self.send_to_scheduler.send(self.encoder.encode(tokenized))
+            first = True
+            async for out in self._wait_outputs(rid, state, raw_request):
+                if first and state.finish_reason is not None and state.finish_reason.type == "abort":
+                    raise self._abort_error(state.finish_reason)
+                first = False
+                yield out
+        finally:
+            if not state.finished and self.dead_reason is None:
+                self._send_abort(rid, "client disconnected")
+            self.rid_to_state.pop(rid, None)
+
+    def _tokenize(self, obj: GenerateReqInput, rid: str, state: ReqState) -> TokenizedGenerateReqInput:
+        if obj.input_ids is not None:
+            input_ids = list(obj.input_ids)
+            if any(not 0 <= t < self.vocab_size for t in input_ids):
+                raise RequestError(
+                    f"prompt token ids must be in [0, {self.vocab_size})", param="prompt"
+                )
+        elif obj.text is not None:
+            input_ids = self.tokenizer(obj.text).input_ids
+        else:
+            raise RequestError("either text or input_ids is required", param="prompt")
+        if not input_ids:
+            raise RequestError("the prompt is empty", param="prompt")
+
+        try:
+            params = obj.sampling_params.normalized()
+            params.verify(self.vocab_size)
+        except SamplingParamsError as e:
+            raise RequestError(str(e), param=e.param) from e
+        prompt_len = len(input_ids)
+        max_new = params.max_new_tokens
+        wanted = prompt_len + (max_new or 0)
+        if prompt_len >= self.context_len or wanted > self.context_len:
+            raise RequestError(
+                f"This model's maximum context length is {self.context_len} tokens. However, you "
+                f"requested {wanted} tokens ({prompt_len} in the prompt, {max_new or 0} for the "
+                "completion). Please reduce the prompt or the completion length.",
+                param="messages" if max_new is None else "max_tokens",
+            )
+        if prompt_len + max(max_new or 1, 1) > self.max_total_tokens:
+            raise RequestError(
+                f"the request needs {prompt_len + (max_new or 1)} tokens of KV cache but the server "
+                f"holds at most {self.max_total_tokens}",
+                param="max_tokens",
+            )
+        if obj.top_logprobs_num < 0 or obj.top_logprobs_num > 20:
+            raise RequestError("top_logprobs must be between 0 and 20", param="top_logprobs")
+
+        state.input_ids = input_ids
+        state.tokenized_time = time.time()
+        return TokenizedGenerateReqInput(
+            rid=rid,
+            input_ids=input_ids,
+            sampling_params=params,
+            stream=obj.stream,
+            return_logprob=obj.return_logprob,
+            top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
+            logprob_start_len=obj.logprob_start_len,
+            routed_dp_rank=obj.routed_dp_rank,
+            priority=obj.priority,
+            routing_key=obj.routing_key,
+            received_time=state.received_time,
+            tokenized_time=state.tokenized_time,
+        )
+
+    async def _wait_outputs(
+        self, rid: str, state: ReqState, raw_request: Any | None
+    ) -> AsyncIterator[dict[str, Any]]:
+        while True:
+            try:
+                await asyncio.wait_for(state.event.wait(), timeout=DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if raw_request is not None and await raw_request.is_disconnected():
+                    self._send_abort(rid, "client disconnected")
+                    state.finished = True  # do not abort twice
+                    raise RequestError("client disconnected", 499) from None
+                continue
+            state.event.clear()
+            if not state.updated:
+                continue
+            state.updated = False
+            if state.finished or state.obj.stream:
+                yield self._make_output(rid, state)
+            if state.finished:
+                return
+
+    def _abort_error(self, reason: FinishReason) -> RequestError:
+        status = reason.status_code or HTTPStatus.INTERNAL_SERVER_ERROR
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+        if status == HTTPStatus.INTERNAL_SERVER_ERROR and self.dead_reason:
+            return EngineDeadError(self.dead_reason)
+        return RequestError(reason.message or "request aborted", status, headers=headers)
+
+    def _send_abort(self, rid: str, message: str) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.send_to_scheduler.send(self.encoder.encode(AbortReq(rid=rid, message=message)))
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> bool:
+        """`POST /abort_request`: True if a matching request was in flight."""
+        found = abort_all or rid in self.rid_to_state
+        if found:
+            self.send_to_scheduler.send(
+                self.encoder.encode(
+                    AbortReq(rid=rid, abort_all=abort_all, message="aborted by request", status_code=499)
+                )
+            )
+        return found
+
+    async def flush_cache(self) -> FlushCacheOut:
+        future: asyncio.Future[FlushCacheOut] = asyncio.get_running_loop().create_future()
+        self._flush_waiters.append(future)
+        self.send_to_scheduler.send(self.encoder.encode(FlushCacheReq()))
+        return await asyncio.wait_for(future, timeout=10)
+
+    # --- engine outputs ------------------------------------------------------------------------
+
+    async def _handle_loop(self) -> None:
+        while True:
+            frame = await self.recv_from_engine.recv(copy=False)
+            msg = self.decoder.decode(frame.buffer)
+            if isinstance(msg, BatchStrOut):
+                self._handle_batch_output(msg)
+            elif isinstance(msg, SchedulerStats):
+                self.last_stats = msg
+                self.last_heartbeat = time.monotonic()
+            elif isinstance(msg, FlushCacheOut):
+                waiters, self._flush_waiters = self._flush_waiters, []
+                for w in waiters:
+                    if not w.done():
+                        w.set_result(msg)
+
+    def _handle_batch_output(self, batch: BatchStrOut) -> None:
+        for i, rid in enumerate(batch.rids):
+            state = self.rid_to_state.get(rid)
+            if state is None or state.finished:
+                continue  # aborted or already failed
+            state.text += batch.output_strs[i]
+            state.output_ids.extend(batch.new_token_ids[i])
+            state.prompt_tokens = batch.prompt_tokens[i]
+            state.completion_tokens = batch.completion_tokens[i]
+            state.cached_tokens = batch.cached_tokens[i]
+            if batch.scheduled_times[i]:
+                state.scheduled_time = batch.scheduled_times[i]
+            if batch.first_token_times[i]:
+                state.first_token_time = batch.first_token_times[i]
+            logprobs = batch.output_token_logprobs[i]
+            if logprobs is not None:
+                new_ids = batch.new_token_ids[i]
+                state.output_token_logprobs += [
+                    (lp, tid, self.token_text(tid)) for lp, tid in zip(logprobs, new_ids)
+                ]
+                tops = batch.output_top_logprobs[i]
+                if tops is not None:
+                    state.output_top_logprobs += [self._with_text(top) for top in tops]
+            input_logprobs = batch.input_token_logprobs[i]
+            if input_logprobs is not None:
+                state.input_token_logprobs = [
+                    (lp, tid, self.token_text(tid)) for lp, tid in zip(input_logprobs, state.input_ids)
+                ]
+                tops_in = batch.input_top_logprobs[i]
+                if tops_in is not None:
+                    state.input_top_logprobs = [
+                        None if top is None else self._with_text(top) for top in tops_in
+                    ]
+            reason = batch.finished_reasons[i]
+            if reason is not None:
+                state.finished = True
+                state.finish_reason = reason
+                state.finished_time = time.time()
+            state.updated = True
+            state.event.set()
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._token_text_cache[token_id] = text
+        return text
+
+    def _with_text(self, top: list[tuple[float, int]]) -> list[tuple[float, int, str]]:
+        return [(lp, tid, self.token_text(tid)) for lp, tid in top]
+
+    def _make_output(self, rid: str, state: ReqState) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": rid,
+            "prompt_tokens": state.prompt_tokens,
+            "completion_tokens": state.completion_tokens,
+            "cached_tokens": state.cached_tokens,
+            "finish_reason": state.finish_reason.to_json() if state.finish_reason else None,
+        }
+        if state.obj.return_logprob:
+            meta["output_token_logprobs"] = list(state.output_token_logprobs)
+            if state.obj.top_logprobs_num > 0:
+                meta["output_top_logprobs"] = list(state.output_top_logprobs)
+            if state.obj.logprob_start_len == 0 and state.input_token_logprobs is not None:
+                meta["input_token_logprobs"] = state.input_token_logprobs
+                if state.obj.top_logprobs_num > 0:
+                    meta["input_top_logprobs"] = state.input_top_logprobs
+        if state.finished:
+            meta["timing"] = {
+                "received": state.received_time,
+                "tokenized": state.tokenized_time,
+                "scheduled": state.scheduled_time,
+                "first_token": state.first_token_time,
+                "finished": state.finished_time,
+            }
+        return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}

@@ -1,0 +1,72 @@
+"""KV cache memory: per-layer K/V tensors indexed by token slot, and the free-slot allocator."""
+
+from __future__ import annotations
+
+import torch
+
+
+class TokenToKVPool:
+    """K/V storage for `size` tokens across every layer; slot 0 is a padding slot never handed out.
+
+    The scheduler accounts memory in slots (one slot = one token's K and V in every layer); the
+    attention layers read and write the buffers through slot indices.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.size = size
+        shape = (num_layers, size + 1, num_kv_heads, head_dim)
+        self.k_buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.device = device
+        self.free_slots = torch.arange(1, size + 1, dtype=torch.int64, device=device)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.k_buffer[:, 0].numel() * self.k_buffer.element_size()
+
+    def available_size(self) -> int:
+        return int(self.free_slots.numel())
+
+    def alloc(self, need: int) -> torch.Tensor | None:
+        """Take `need` free slots, or return None (and take nothing) if there are not enough."""
+        if need > self.free_slots.numel():
+            return None
+        taken = self.free_slots[:need]
+        self.free_slots = self.free_slots[need:]
+        return taken
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel():
+            self.free_slots = torch.cat((self.free_slots, slots.to(self.free_slots.dtype)))
+
+    def clear(self) -> None:
+        self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
+
+
+class ReqToTokenPool:
+    """Row per running request: the KV slot of each of its token positions."""
+
+    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device) -> None:
+        self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=torch.int64, device=device)
+        self.free_rows = list(range(max_reqs))
+        self.max_reqs = max_reqs
+
+    def available_size(self) -> int:
+        return len(self.free_rows)
+
+    def alloc(self) -> int | None:
+        return self.free_rows.pop() if self.free_rows else None
+
+    def free(self, row: int) -> None:
+        self.free_rows.append(row)
+
+    def clear(self) -> None:
+        self.free_rows = list(range(self.max_reqs))

@@ -1,0 +1,140 @@
+"""ModelRunner: load the model and its KV pools, and run one ForwardBatch to logits."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from berth_runtime.mem_cache.kv_pool import ReqToTokenPool, TokenToKVPool
+from berth_runtime.model_executor.forward_batch import ForwardBatch
+from berth_runtime.models.llama import MODEL_CLASSES
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# KV capacity on CPU when --max-total-tokens is not given (about 0.75 GB fp32 on the embedded model).
+DEFAULT_CPU_KV_TOKENS = 16384
+# Fraction of free accelerator memory (after weights) given to the KV cache.
+CUDA_KV_MEMORY_FRACTION = 0.85
+
+
+@dataclass
+class LoadProgress:
+    """Where loading stands, for logs and /get_server_info."""
+
+    tensors_done: int = 0
+    tensors_total: int = 0
+    bytes_done: int = 0
+    bytes_total: int = 0
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was requested but no CUDA device is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+class ModelRunner:
+    """Owns the model weights, the KV pool and the request-to-slot table of one scheduler."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        context_length: int | None = None,
+        max_total_tokens: int | None = None,
+        max_running_requests: int = 64,
+        seed: int = 0,
+        progress: LoadProgress | None = None,
+    ) -> None:
+        torch.manual_seed(seed)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.config = AutoConfig.from_pretrained(model_path)
+        arch = (self.config.architectures or ["LlamaForCausalLM"])[0]
+        model_cls = MODEL_CLASSES[arch]
+        model_max = int(getattr(self.config, "max_position_embeddings", 4096))
+        self.context_len = min(context_length, model_max) if context_length else model_max
+        if context_length and context_length > model_max:
+            logger.warning("--context-length %d exceeds the model's %d", context_length, model_max)
+        self.vocab_size = int(self.config.vocab_size)
+
+        start = time.perf_counter()
+        with torch.device("meta"):
+            model = model_cls(self.config, max_positions=self.context_len)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        # Buffers (rotary tables) were on meta: rebuild them on the real device.
+        model.rotary.__init__(self.config, self.context_len)
+        model.rotary.to(self.device)
+        model.load_weights(_iter_weights(model_path, progress))
+        self.model = model.eval()
+        self.load_time_s = time.perf_counter() - start
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+        attn = model.layers[0].self_attn
+        self.num_layers = len(model.layers)
+        kv_tokens = max_total_tokens or self._default_kv_tokens(attn.num_kv_heads, attn.head_dim)
+        self.kv_pool = TokenToKVPool(
+            kv_tokens, self.num_layers, attn.num_kv_heads, attn.head_dim, self.dtype, self.device
+        )
+        self.req_to_token_pool = ReqToTokenPool(
+            max_running_requests + 1, self.context_len + 1, self.device
+        )
+        logger.info(
+            "Loaded %s (%s, %s on %s) in %.2fs; KV cache %d tokens (%.0f MB)",
+            arch,
+            model_path,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+            self.load_time_s,
+            kv_tokens,
+            kv_tokens * self.kv_pool.bytes_per_token / 2**20,
+        )
+
+    def _default_kv_tokens(self, num_kv_heads: int, head_dim: int) -> int:
+        if self.device.type != "cuda":
+            return max(DEFAULT_CPU_KV_TOKENS, self.context_len)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        per_token = 2 * self.num_layers * num_kv_heads * head_dim * self.dtype.itemsize
+        return int(free * CUDA_KV_MEMORY_FRACTION / per_token)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Final hidden states of every new token, [T, hidden]."""
+        return self.model(batch, self.kv_pool)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+
+def _iter_weights(model_path: str, progress: LoadProgress | None):
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if progress is not None:
+        progress.bytes_total = sum(os.path.getsize(f) for f in files)
+        for f in files:
+            with safe_open(f, framework="pt") as st:
+                progress.tensors_total += len(list(st.keys()))
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                tensor = st.get_tensor(name)
+                if progress is not None:
+                    progress.tensors_done += 1
+                    progress.bytes_done += tensor.numel() * tensor.element_size()
+                yield name, tensor

@@ -1,0 +1,106 @@
+"""Sampler: turn a batch of logits into next tokens, vectorized over the batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from berth_runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatchInfo:
+    """Per-row sampling settings of one step, as tensors (built once per step by the scheduler)."""
+
+    temperatures: torch.Tensor  # [B, 1]; greedy rows hold 1.0 and are taken by argmax
+    top_ps: torch.Tensor  # [B]
+    top_ks: torch.Tensor  # [B]; vocab size where disabled
+    min_ps: torch.Tensor  # [B]
+    greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    need_top_p_k: bool
+    need_min_p: bool
+    generators: list[torch.Generator | None]  # per-row generator of seeded requests
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingBatchInfo:
+        greedy = [p.is_greedy for p in params]
+        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+        top_ks = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
+        return cls(
+            temperatures=torch.tensor(temps, dtype=torch.float32, device=device)[:, None],
+            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            all_greedy=all(greedy),
+            need_top_p_k=any(
+                not g and (p.top_p < 1.0 or 0 < p.top_k < vocab_size)
+                for p, g in zip(params, greedy)
+            ),
+            need_min_p=any(not g and p.min_p > 0 for p, g in zip(params, greedy)),
+            generators=generators,
+        )
+
+
+def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Pick one token per row of `logits` [B, V] (already penalized/biased); returns [B] int64."""
+    greedy_ids = torch.argmax(logits, dim=-1)
+    if info.all_greedy:
+        return greedy_ids
+    probs = torch.softmax(logits / info.temperatures, dim=-1)
+    if info.need_top_p_k:
+        probs = _top_k_top_p(probs, info.top_ks, info.top_ps)
+    if info.need_min_p:
+        threshold = probs.max(dim=-1, keepdim=True).values * info.min_ps[:, None]
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    # Exponential race (Gumbel-max equivalent): argmax(p / E), E ~ Exp(1). Seeded rows draw E from
+    # their own generator so their output does not depend on the rest of the batch.
+    noise = torch.empty_like(probs).exponential_()
+    for row, gen in enumerate(info.generators):
+        if gen is not None:
+            noise[row] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=gen)
+    sampled = torch.argmax(probs / noise, dim=-1)
+    return torch.where(info.greedy, greedy_ids, sampled)
+
+
+def _top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    cumulative = sorted_probs.cumsum(dim=-1)
+    # Keep a token if it is within top-k and the mass before it is below top-p (the first always).
+    drop = (ranks >= top_ks[:, None]) | ((cumulative - sorted_probs) >= top_ps[:, None])
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    row: int,
+    params: SamplingParams,
+    output_ids: list[int],
+    prompt_ids: list[int],
+) -> None:
+    """OpenAI presence/frequency penalties (over output tokens) and the HF repetition penalty
+    (over prompt and output tokens), in place on one row."""
+    vocab = logits.shape[-1]
+    if output_ids and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(
+            torch.tensor(output_ids, device=logits.device), minlength=vocab
+        ).to(logits.dtype)
+        logits[row] -= params.frequency_penalty * counts
+        logits[row] -= params.presence_penalty * (counts > 0).to(logits.dtype)
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=logits.device)
+        values = logits[row, seen]
+        penalized = torch.where(
+            values > 0, values / params.repetition_penalty, values * params.repetition_penalty
+        )
+        logits[row, seen] = penalized

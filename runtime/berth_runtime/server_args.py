@@ -1,0 +1,166 @@
+"""ServerArgs: every knob of `berth serve`, with its default, validation and CLI flag."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+DEFAULT_PORT = 30000
+DEFAULT_SERVED_NAME = "smollm2-135m-instruct"
+BUILTIN_MODEL = "builtin://smollm2-135m-instruct"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerArgs:
+    """The runtime's configuration; the operator renders exactly these flags."""
+
+    # Model
+    model: str = field(
+        default=BUILTIN_MODEL,
+        metadata={
+            "help": "Model to serve: builtin://smollm2-135m-instruct (the embedded default), a Hugging "
+            "Face directory (config.json + *.safetensors + tokenizer), or a .gguf file."
+        },
+    )
+    served_model_name: str | None = field(
+        default=None,
+        metadata={"help": "Name clients pass as `model` (default: the builtin name or the path's basename)."},
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
+        default="auto",
+        metadata={"help": "Weight and activation dtype; auto = float32 on CPU, bfloat16 on CUDA."},
+    )
+    device: Literal["auto", "cpu", "cuda"] = field(
+        default="auto", metadata={"help": "Device to run the model on; auto = cuda if available."}
+    )
+    context_length: int | None = field(
+        default=None,
+        metadata={"help": "Maximum prompt + output tokens per request (default: the model's)."},
+    )
+    model_cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Where converted GGUF models are cached "
+            "(default: $BERTH_CACHE_DIR or ~/.cache/berth)."
+        },
+    )
+    random_seed: int = field(default=0, metadata={"help": "Seed for sampling without a request seed."})
+
+    # HTTP
+    host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on."})
+    port: int = field(default=DEFAULT_PORT, metadata={"help": "Port to listen on."})
+    api_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "Require `Authorization: Bearer <key>` on every endpoint but /health and /metrics "
+            "(default: $BERTH_API_KEY if set)."
+        },
+    )
+    graceful_shutdown_timeout: float = field(
+        default=30.0,
+        metadata={"help": "Seconds to let in-flight requests finish after SIGTERM."},
+    )
+
+    # Scheduler and memory
+    max_running_requests: int = field(
+        default=64, metadata={"help": "Maximum requests decoded together in one batch."}
+    )
+    max_total_tokens: int | None = field(
+        default=None,
+        metadata={"help": "KV cache capacity in tokens (default: sized from memory)."},
+    )
+    max_prefill_tokens: int = field(
+        default=4096, metadata={"help": "Maximum new prompt tokens prefilled in one step."}
+    )
+    chunked_prefill_size: int = field(
+        default=512,
+        metadata={"help": "Prefill long prompts in chunks of this many tokens (<= 0 disables)."},
+    )
+    max_queued_requests: int | None = field(
+        default=None,
+        metadata={"help": "Maximum waiting requests; beyond it new requests get 503 (default: unbounded)."},
+    )
+    schedule_policy: Literal["fcfs", "lpm", "priority"] = field(
+        default="fcfs", metadata={"help": "Order in which waiting requests are admitted."}
+    )
+    disable_radix_cache: bool = field(
+        default=False, metadata={"help": "Do not share cached prompt prefixes across requests."}
+    )
+    tp_size: int = field(default=1, metadata={"help": "Tensor-parallel degree (only 1 is supported)."})
+
+    # Data parallelism and observability
+    dp_rank: int | None = field(
+        default=None,
+        metadata={"help": "This server's data-parallel rank (a label on metrics and responses)."},
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = field(
+        default="info", metadata={"help": "Log level of every process."}
+    )
+
+    def __post_init__(self) -> None:
+        def positive(name: str, value: float | None) -> None:
+            if value is not None and value <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+        for name in ("port", "max_running_requests", "max_prefill_tokens", "tp_size"):
+            positive(name, getattr(self, name))
+        for name in ("context_length", "max_total_tokens", "max_queued_requests"):
+            positive(name, getattr(self, name))
+        if self.graceful_shutdown_timeout < 0:
+            raise ValueError("--graceful-shutdown-timeout must be >= 0")
+        if self.dp_rank is not None and self.dp_rank < 0:
+            raise ValueError(f"--dp-rank must be >= 0, got {self.dp_rank}")
+        if self.tp_size != 1:
+            raise ValueError("--tp-size > 1 is not supported yet; run one rank per device")
+        if self.api_key is None and os.environ.get("BERTH_API_KEY"):
+            object.__setattr__(self, "api_key", os.environ["BERTH_API_KEY"])
+
+    @property
+    def model_name(self) -> str:
+        """The name clients must send as `model`."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model == BUILTIN_MODEL:
+            return DEFAULT_SERVED_NAME
+        base = os.path.basename(os.path.normpath(self.model))
+        return base.removesuffix(".gguf")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add one `--flag` per field, its default and help taken from the field."""
+        for f in dataclasses.fields(ServerArgs):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help", "")
+            if f.type == "bool":
+                parser.add_argument(flag, action="store_true", help=help_text)
+                continue
+            kwargs: dict[str, Any] = {"default": f.default, "help": f"{help_text} [default: {f.default}]"}
+            choices = _literal_choices(f.type)
+            if choices:
+                kwargs["choices"] = choices
+            kwargs["type"] = _parse_type(f.type)
+            parser.add_argument(flag, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def _literal_choices(type_str: Any) -> list[str] | None:
+    text = str(type_str)
+    if not text.startswith("Literal["):
+        return None
+    return [part.strip().strip("'\"") for part in text[len("Literal[") : -1].split(",")]
+
+
+def _parse_type(type_str: Any) -> Any:
+    text = str(type_str)
+    if text.startswith("int"):
+        return int
+    if text.startswith("float"):
+        return float
+    return str

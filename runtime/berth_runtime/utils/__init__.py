@@ -1,0 +1,1 @@
+"""Small shared helpers: IPC sockets, logging, process management."""
