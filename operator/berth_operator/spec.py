@@ -34,6 +34,7 @@ QUANTITY_PATTERN = (
 DNS1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+EXTENDED_RESOURCE = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-a-zA-Z0-9_.]+$"
 # A C identifier-ish env var name, as `kubectl` accepts them.
 ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 HF_REPO = r"[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*"
@@ -285,9 +286,9 @@ def _parse_spec(root: _Fields, default_image: str) -> InferenceServiceSpec:
     runtime = _parse_runtime(root.obj("runtime"), default_image)
     resources = _parse_resources(root.obj("resources"))
     parallelism = root.obj("parallelism")
-    tensor = parallelism.int("tensor", 1, minimum=1, maximum=8)
+    tensor = parallelism.integer("tensor", 1, minimum=1, maximum=8)
     parallelism.reject_unknown()
-    replicas = root.int("replicas", 1, minimum=0, maximum=MAX_REPLICAS)
+    replicas = root.integer("replicas", 1, minimum=0, maximum=MAX_REPLICAS)
     autoscaling = _parse_autoscaling(root.obj("autoscaling"))
     routing = _parse_routing(root.obj("routing"))
     ingress = _parse_ingress(root.obj("ingress")) if root.has("ingress") else None
@@ -332,13 +333,13 @@ def _parse_spec(root: _Fields, default_image: str) -> InferenceServiceSpec:
 
 
 def _parse_model(f: _Fields) -> ModelSpec:
-    uri = f.str("uri", DEFAULT_BUILTIN_URI, pattern=MODEL_URI_PATTERN, what="a model URI")
-    served_name = f.str("servedName", None, max_length=256)
+    uri = f.text("uri", DEFAULT_BUILTIN_URI, pattern=MODEL_URI_PATTERN, what="a model URI")
+    served_name = f.text("servedName", None, max_length=256)
     size_gib = f.number("sizeGiB", None, exclusive_minimum=0, maximum=4096)
-    revision = f.str("revision", None, max_length=256)
+    revision = f.text("revision", None, max_length=256)
     hf_token = _parse_secret_ref(f, "hfTokenSecretRef", default_key="token")
     cache = f.obj("cache")
-    cache_claim = cache.str("claimName", None, pattern=DNS1123_SUBDOMAIN, what="a PVC name")
+    cache_claim = cache.text("claimName", None, pattern=DNS1123_SUBDOMAIN, what="a PVC name")
     cache_size = cache.quantity("sizeLimit", None)
     cache.reject_unknown()
     f.reject_unknown()
@@ -347,7 +348,7 @@ def _parse_model(f: _Fields) -> ModelSpec:
     source: ModelSource = scheme if scheme in ("builtin", "hf", "pvc", "file") else "builtin"  # type: ignore[assignment]
     kwargs: dict[str, Any] = {}
     if source == "builtin":
-        if rest not in BUILTIN_MODELS and uri == f.raw.get("uri"):
+        if rest not in BUILTIN_MODELS:
             f.problem(
                 "uri",
                 f"unknown builtin model {rest!r}; the runtime embeds "
@@ -389,12 +390,12 @@ def _parse_model(f: _Fields) -> ModelSpec:
 
 
 def _parse_runtime(f: _Fields, default_image: str) -> RuntimeSpec:
-    image = f.str("image", default_image, max_length=512, min_length=1) or default_image
+    image = f.text("image", default_image, max_length=512, min_length=1) or default_image
     pull_policy = f.enum("imagePullPolicy", "IfNotPresent", PULL_POLICIES)
     pull_secrets: list[str] = []
-    for i, item in enumerate(f.list("imagePullSecrets")):
+    for i, item in enumerate(f.items("imagePullSecrets")):
         ref = f.nested(item, f"imagePullSecrets[{i}]")
-        secret = ref.str("name", None, pattern=DNS1123_SUBDOMAIN, what="a Secret name")
+        secret = ref.text("name", None, pattern=DNS1123_SUBDOMAIN, what="a Secret name")
         ref.reject_unknown()
         if secret is None:
             ref.problem("name", "required")
@@ -404,39 +405,39 @@ def _parse_runtime(f: _Fields, default_image: str) -> RuntimeSpec:
     args = RuntimeArgs(
         dtype=a.enum("dtype", None, DTYPES),
         device=a.enum("device", None, DEVICES),
-        context_length=a.int("contextLength", None, minimum=1),
-        max_running_requests=a.int("maxRunningRequests", None, minimum=1),
-        max_total_tokens=a.int("maxTotalTokens", None, minimum=1),
-        max_prefill_tokens=a.int("maxPrefillTokens", None, minimum=1),
-        chunked_prefill_size=a.int("chunkedPrefillSize", None),
-        max_queued_requests=a.int("maxQueuedRequests", None, minimum=1),
+        context_length=a.integer("contextLength", None, minimum=1),
+        max_running_requests=a.integer("maxRunningRequests", None, minimum=1),
+        max_total_tokens=a.integer("maxTotalTokens", None, minimum=1),
+        max_prefill_tokens=a.integer("maxPrefillTokens", None, minimum=1),
+        chunked_prefill_size=a.integer("chunkedPrefillSize", None),
+        max_queued_requests=a.integer("maxQueuedRequests", None, minimum=1),
         schedule_policy=a.enum("schedulePolicy", None, SCHEDULE_POLICIES),
-        disable_radix_cache=a.bool("disableRadixCache", False),
+        disable_radix_cache=a.flag("disableRadixCache", False),
         log_level=a.enum("logLevel", None, LOG_LEVELS),
     )
     a.reject_unknown()
-    grace = f.int("gracefulShutdownSeconds", 60, minimum=0, maximum=3600)
-    pre_stop = f.int("preStopSleepSeconds", 10, minimum=0, maximum=300)
-    startup = f.int("startupTimeoutSeconds", None, minimum=30, maximum=86400)
+    grace = f.integer("gracefulShutdownSeconds", 60, minimum=0, maximum=3600)
+    pre_stop = f.integer("preStopSleepSeconds", 10, minimum=0, maximum=300)
+    startup = f.integer("startupTimeoutSeconds", None, minimum=30, maximum=86400)
     extra_args: list[str] = []
-    for i, arg in enumerate(f.list("extraArgs")):
+    for i, arg in enumerate(f.items("extraArgs")):
         if not isinstance(arg, str):
             f.problem(f"extraArgs[{i}]", f"must be a string, got {arg!r}")
             continue
-        flag = arg.split("=", 1)[0]
-        if flag in MANAGED_FLAGS:
+        managed = _managed_flag(arg)
+        if managed:
             f.problem(
                 f"extraArgs[{i}]",
-                f"{flag} is set by the operator; use the matching spec field instead "
+                f"{managed} is set by the operator; use the matching spec field instead "
                 "(model.uri, model.servedName, apiKeySecretRef, runtime.gracefulShutdownSeconds, "
                 "parallelism.tensor)",
             )
         extra_args.append(arg)
     env: list[dict[str, Any]] = []
-    for i, item in enumerate(f.list("env")):
+    for i, item in enumerate(f.items("env")):
         var = f.nested(item, f"env[{i}]")
-        var_name = var.str("name", None, pattern=ENV_NAME, what="an environment variable name")
-        value = var.str("value", None)
+        var_name = var.text("name", None, pattern=ENV_NAME, what="an environment variable name")
+        value = var.text("value", None)
         value_from = var.raw_obj("valueFrom")
         var.reject_unknown()
         if var_name is None:
@@ -466,11 +467,19 @@ def _parse_runtime(f: _Fields, default_image: str) -> RuntimeSpec:
     )
 
 
+def _managed_flag(arg: str) -> str | None:
+    """The operator-owned flag `arg` names, if any (argparse also accepts unique prefixes)."""
+    flag = arg.split("=", 1)[0]
+    if not flag.startswith("--") or len(flag) < 4:
+        return None
+    return next((m for m in MANAGED_FLAGS if m.startswith(flag)), None)
+
+
 def _parse_resources(f: _Fields) -> ResourcesSpec:
     parsed = ResourcesSpec(
-        gpus=f.int("gpus", 0, minimum=0, maximum=16),
-        gpu_resource=f.str(
-            "gpuResource", "nvidia.com/gpu", pattern=r"^[a-z0-9.-]+/[-a-z0-9_.]+$", what="a resource"
+        gpus=f.integer("gpus", 0, minimum=0, maximum=16),
+        gpu_resource=f.text(
+            "gpuResource", "nvidia.com/gpu", pattern=EXTENDED_RESOURCE, what="a resource name"
         ),
         cpu=f.quantity("cpu", "1"),
         memory=f.quantity("memory", "4Gi"),
@@ -484,15 +493,15 @@ def _parse_resources(f: _Fields) -> ResourcesSpec:
 
 def _parse_autoscaling(f: _Fields) -> AutoscalingSpec:
     parsed = AutoscalingSpec(
-        enabled=f.bool("enabled", False),
-        min_replicas=f.int("minReplicas", 1, minimum=1, maximum=MAX_REPLICAS),
-        max_replicas=f.int("maxReplicas", 4, minimum=1, maximum=MAX_REPLICAS),
+        enabled=f.flag("enabled", False),
+        min_replicas=f.integer("minReplicas", 1, minimum=1, maximum=MAX_REPLICAS),
+        max_replicas=f.integer("maxReplicas", 4, minimum=1, maximum=MAX_REPLICAS),
         target_queue_per_rank=f.number("targetQueuePerRank", 4.0, exclusive_minimum=0),
         token_usage_ceiling=f.number("tokenUsageCeiling", 0.85, exclusive_minimum=0, maximum=1),
-        scale_up_stabilization_seconds=f.int(
+        scale_up_stabilization_seconds=f.integer(
             "scaleUpStabilizationSeconds", 30, minimum=0, maximum=3600
         ),
-        scale_down_delay_seconds=f.int("scaleDownDelaySeconds", 300, minimum=0, maximum=86400),
+        scale_down_delay_seconds=f.integer("scaleDownDelaySeconds", 300, minimum=0, maximum=86400),
     )
     f.reject_unknown()
     return parsed
@@ -501,20 +510,20 @@ def _parse_autoscaling(f: _Fields) -> AutoscalingSpec:
 def _parse_routing(f: _Fields) -> RoutingSpec:
     parsed = RoutingSpec(
         policy=f.enum("policy", "cacheAware", ROUTING_POLICIES),
-        router_replicas=f.int("routerReplicas", 1, minimum=0, maximum=MAX_ROUTER_REPLICAS),
+        router_replicas=f.integer("routerReplicas", 1, minimum=0, maximum=MAX_ROUTER_REPLICAS),
     )
     f.reject_unknown()
     return parsed
 
 
 def _parse_ingress(f: _Fields) -> IngressSpec:
-    host = f.str("host", None, pattern=r"^(\*\.)?" + DNS1123_SUBDOMAIN[1:], what="a DNS name")
-    path = f.str("path", "/", pattern=r"^/[^\s]*$", what="an absolute URL path")
+    host = f.text("host", None, pattern=r"^(\*\.)?" + DNS1123_SUBDOMAIN[1:], what="a DNS name")
+    path = f.text("path", "/", pattern=r"^/[^\s]*$", what="an absolute URL path")
     path_type = f.enum("pathType", "Prefix", PATH_TYPES)
-    class_name = f.str("className", None, pattern=DNS1123_SUBDOMAIN, what="an IngressClass name")
+    class_name = f.text("className", None, pattern=DNS1123_SUBDOMAIN, what="an IngressClass name")
     annotations = f.string_map("annotations")
     tls = f.obj("tls")
-    tls_secret = tls.str("secretName", None, pattern=DNS1123_SUBDOMAIN, what="a Secret name")
+    tls_secret = tls.text("secretName", None, pattern=DNS1123_SUBDOMAIN, what="a Secret name")
     if f.has("tls") and tls_secret is None:
         tls.problem("secretName", "required when tls is set")
     tls.reject_unknown()
@@ -535,8 +544,8 @@ def _parse_secret_ref(f: _Fields, key: str, *, default_key: str) -> SecretKeyRef
     if not f.has(key):
         return None
     ref = f.obj(key)
-    name = ref.str("name", None, pattern=DNS1123_SUBDOMAIN, what="a Secret name")
-    secret_key = ref.str("key", default_key, pattern=r"^[-._a-zA-Z0-9]+$", what="a Secret key")
+    name = ref.text("name", None, pattern=DNS1123_SUBDOMAIN, what="a Secret name")
+    secret_key = ref.text("key", default_key, pattern=r"^[-._a-zA-Z0-9]+$", what="a Secret key")
     ref.reject_unknown()
     if name is None:
         ref.problem("name", "required")
@@ -546,19 +555,19 @@ def _parse_secret_ref(f: _Fields, key: str, *, default_key: str) -> SecretKeyRef
 
 def _parse_scheduling(f: _Fields) -> SchedulingSpec:
     tolerations = []
-    for i, item in enumerate(f.list("tolerations")):
+    for i, item in enumerate(f.items("tolerations")):
         t = f.nested(item, f"tolerations[{i}]")
         toleration = {
-            "key": t.str("key", None),
+            "key": t.text("key", None),
             "operator": t.enum("operator", None, TOLERATION_OPERATORS),
-            "value": t.str("value", None),
+            "value": t.text("value", None),
             "effect": t.enum("effect", None, TOLERATION_EFFECTS),
-            "tolerationSeconds": t.int("tolerationSeconds", None),
+            "tolerationSeconds": t.integer("tolerationSeconds", None),
         }
         t.reject_unknown()
         tolerations.append({k: v for k, v in toleration.items() if v is not None})
     spread = []
-    for i, item in enumerate(f.list("topologySpreadConstraints")):
+    for i, item in enumerate(f.items("topologySpreadConstraints")):
         if isinstance(item, Mapping):
             spread.append(dict(item))
         else:
@@ -567,11 +576,11 @@ def _parse_scheduling(f: _Fields) -> SchedulingSpec:
         node_selector=f.string_map("nodeSelector"),
         tolerations=tuple(tolerations),
         affinity=f.raw_obj("affinity"),
-        priority_class_name=f.str(
+        priority_class_name=f.text(
             "priorityClassName", None, pattern=DNS1123_SUBDOMAIN, what="a PriorityClass name"
         ),
         topology_spread_constraints=tuple(spread),
-        runtime_class_name=f.str(
+        runtime_class_name=f.text(
             "runtimeClassName", None, pattern=DNS1123_SUBDOMAIN, what="a RuntimeClass name"
         ),
     )
@@ -597,6 +606,7 @@ class _Fields:
         self.problems.append(f"{self.path}.{key}: {message}")
 
     def has(self, key: str) -> bool:
+        self.seen.add(key)
         return self.raw.get(key) is not None
 
     def nested(self, raw: object, key: str) -> _Fields:
@@ -616,7 +626,7 @@ class _Fields:
             return default
         return value
 
-    def str(
+    def text(
         self,
         key: str,
         default: T,
@@ -637,7 +647,7 @@ class _Fields:
             return default
         return value
 
-    def int(
+    def integer(
         self, key: str, default: T, *, minimum: int | None = None, maximum: int | None = None
     ) -> int | T:
         value = self._get(
@@ -679,7 +689,7 @@ class _Fields:
             return default
         return value
 
-    def bool(self, key: str, default: bool) -> bool:
+    def flag(self, key: str, default: bool) -> bool:
         return self._get(key, default, lambda v: isinstance(v, bool), "true or false")
 
     def enum(self, key: str, default: T, choices: tuple[str, ...]) -> str | T:
@@ -705,7 +715,7 @@ class _Fields:
             return default
         return str(value)
 
-    def list(self, key: str) -> list[Any]:
+    def items(self, key: str) -> list[Any]:
         return list(self._get(key, [], lambda v: isinstance(v, list), "a list"))
 
     def string_map(self, key: str) -> tuple[tuple[str, str], ...]:

@@ -1,0 +1,149 @@
+"""Start-up, model sources, API keys, draining on SIGTERM and dying children, with real processes."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.helpers import BUILTIN_GGUF, RunningServer, embedded_gguf_dir, embedded_model_dir, wait_for
+
+MODEL = "smollm2-135m-instruct"
+
+
+def serve_fails(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "berth_runtime.cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_missing_model_is_a_one_line_error():
+    result = serve_fails("--model", "/no/such/model")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "berth serve: error: model path does not exist: /no/such/model"
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path: Path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    result = serve_fails("--model", str(tmp_path))
+    assert result.returncode == 2
+    assert "unsupported architecture ['GPT2LMHeadModel']" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_flag_value_is_a_usage_error():
+    result = serve_fails("--max-running-requests", "0")
+    assert result.returncode == 2
+    assert "--max-running-requests must be positive" in result.stderr
+
+
+def live_pids(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def ipc_dirs() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "berth-ipc-*")))
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_cleanly():
+    before = ipc_dirs()
+    # Serve the GGUF file directly: another model source.
+    gguf = str(embedded_gguf_dir() / BUILTIN_GGUF)
+    srv = RunningServer("--model", gguf, "--graceful-shutdown-timeout", "60").wait_ready()
+    ours = ipc_dirs() - before
+    children = srv.child_pids()
+    assert len(children) >= 2 and len(ours) == 1
+    assert httpx.get(f"{srv.base_url}/v1/models").json()["data"][0]["id"] == BUILTIN_GGUF[:-5]
+
+    result: dict = {}
+    body = {"text": "Count slowly:", "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}
+
+    def in_flight() -> None:
+        result["r"] = httpx.post(f"{srv.base_url}/generate", json=body, timeout=120)
+
+    t = threading.Thread(target=in_flight)
+    t.start()
+    wait_for(
+        lambda: httpx.get(f"{srv.base_url}/get_load").json().get("num_running_reqs") == 1,
+        30,
+        what="the request to run",
+    )
+    srv.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: httpx.get(f"{srv.base_url}/health").status_code == 503, 10, what="draining")
+    assert httpx.get(f"{srv.base_url}/health").json()["status"] == "draining"
+    refused = httpx.post(f"{srv.base_url}/generate", json=body, timeout=30)
+    assert refused.status_code == 503
+    assert refused.json()["object"] == "error"
+
+    t.join(120)
+    assert result["r"].status_code == 200, result["r"].text
+    assert result["r"].json()["meta_info"]["completion_tokens"] == 60
+    assert srv.proc.wait(60) == 0
+    srv.stop()
+    wait_for(lambda: not live_pids(children), 10, what=f"children {live_pids(children)} to exit")
+    assert not (ours & ipc_dirs()), "IPC sockets left behind"
+
+
+def test_api_key_protects_everything_but_health():
+    srv = RunningServer("--model", embedded_model_dir(), env={"BERTH_API_KEY": "s3cret"}).wait_ready()
+    try:
+        base = srv.base_url
+        assert httpx.get(f"{base}/health").status_code == 200
+        unauthorized = httpx.get(f"{base}/v1/models")
+        assert unauthorized.status_code == 401
+        assert unauthorized.json()["object"] == "error"
+        assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.post(f"{base}/generate", json={"text": "hi"}).status_code == 401
+        ok = httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+        # A Hugging Face directory is served under its directory name.
+        assert ok.json()["data"][0]["id"] == Path(embedded_model_dir()).name
+    finally:
+        assert srv.stop() == 0
+
+
+@pytest.mark.parametrize("victim", ["scheduler", "detokenizer"])
+def test_dead_child_fails_requests_and_exits_nonzero(victim: str):
+    srv = RunningServer("--model", embedded_model_dir()).wait_ready()
+    try:
+        procs = [psutil.Process(pid) for pid in srv.child_pids()]
+        target = next(p for p in procs if victim in " ".join(p.cmdline()) or p.name() == victim)
+        result: dict = {}
+        body = {"text": "Go on:", "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
+        t = threading.Thread(
+            target=lambda: result.update(r=httpx.post(f"{srv.base_url}/generate", json=body, timeout=60))
+        )
+        t.start()
+        wait_for(
+            lambda: httpx.get(f"{srv.base_url}/get_load").json()["num_inflight_requests"] == 1,
+            30,
+            what="the request to start",
+        )
+        target.kill()
+        t.join(30)
+        assert not t.is_alive(), "the in-flight request hung after its engine died"
+        assert result["r"].status_code >= 500
+        assert srv.proc.wait(30) != 0
+    finally:
+        srv.stop()

@@ -1,0 +1,165 @@
+"""The OpenAI-compatible API of a real server, driven by the `openai` SDK and httpx."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.runtime.conftest import MODEL
+
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_chat_answers_paris(client: openai.OpenAI):
+    resp = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0, max_tokens=32)
+    choice = resp.choices[0]
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason == "stop"
+    assert resp.usage.completion_tokens > 0
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_chat_text_part_content(client: openai.OpenAI):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32)
+    plain = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0, max_tokens=32)
+    assert resp.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_chat_stream_matches_non_stream(client: openai.OpenAI):
+    kwargs = {"model": MODEL, "messages": CAPITAL, "temperature": 0, "max_tokens": 24}
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(
+        client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_length_finish_and_exact_usage(client: openai.OpenAI, server):
+    resp = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 7
+    ids = httpx.post(
+        f"{server.base_url}/generate",
+        json={"text": "Once upon a time", "sampling_params": {"max_new_tokens": 7, "temperature": 0}},
+    ).json()
+    assert resp.usage.prompt_tokens == ids["meta_info"]["prompt_tokens"]
+    assert resp.choices[0].text == ids["text"]
+
+
+def test_stop_string_never_leaks(client: openai.OpenAI):
+    base = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0)
+    assert " 6" in base.choices[0].text, base.choices[0].text
+    for stream in (False, True):
+        kwargs = {"model": MODEL, "prompt": "1, 2, 3, 4,", "max_tokens": 16, "temperature": 0}
+        if stream:
+            chunks = list(client.completions.create(**kwargs, stop=[" 6"], stream=True))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            resp = client.completions.create(**kwargs, stop=[" 6"])
+            text, finish = resp.choices[0].text, resp.choices[0].finish_reason
+        assert text == base.choices[0].text.split(" 6")[0]
+        assert " 6" not in text
+        assert finish == "stop"
+
+
+def test_n_choices_with_seed(client: openai.OpenAI):
+    kwargs = {"model": MODEL, "messages": CAPITAL, "max_tokens": 12, "temperature": 1.0, "seed": 7, "n": 2}
+    first = client.chat.completions.create(**kwargs)
+    again = client.chat.completions.create(**kwargs)
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+    assert first.usage == again.usage
+    assert first.usage.prompt_tokens > 0
+
+
+def test_chat_logprobs(client: openai.OpenAI):
+    resp = client.chat.completions.create(
+        model=MODEL, messages=CAPITAL, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3
+    )
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens
+    assert "".join(t.token for t in content) == resp.choices[0].message.content
+    for item in content:
+        assert item.logprob <= 0
+        assert len(item.top_logprobs) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob, abs=1e-5)
+
+
+def test_completion_echo_with_prompt_logprobs(client: openai.OpenAI):
+    resp = client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=3, temperature=0, echo=True, logprobs=2
+    )
+    choice = resp.choices[0]
+    assert choice.text.startswith("The sky is")
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert len(lp.tokens) == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    assert "".join(lp.tokens) == choice.text
+
+
+def test_prompt_as_token_ids_and_list(client: openai.OpenAI, http: httpx.Client):
+    ids = http.post("/generate", json={"text": "Hello there", "sampling_params": {"max_new_tokens": 1}}).json()
+    assert ids["meta_info"]["prompt_tokens"] >= 2
+    resp = client.completions.create(
+        model=MODEL, prompt=["Hello there", "The sky is"], max_tokens=4, temperature=0
+    )
+    assert [c.index for c in resp.choices] == [0, 1]
+    single = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, temperature=0)
+    assert resp.choices[1].text == single.choices[0].text
+
+
+def test_models_endpoint(client: openai.OpenAI, http: httpx.Client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert http.get(f"/v1/models/{MODEL}").status_code == 200
+    missing = http.get("/v1/models/nope")
+    assert missing.status_code == 404
+    assert missing.json()["code"] == "model_not_found"
+
+
+def test_native_generate_stream_and_meta(http: httpx.Client):
+    body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 5, "temperature": 0}}
+    full = http.post("/generate", json=body).json()
+    assert full["meta_info"]["finish_reason"]["type"] in ("length", "stop")
+    assert full["meta_info"]["completion_tokens"] == len(full["output_ids"])
+    events = []
+    with http.stream("POST", "/generate", json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    outs = [json.loads(e) for e in events[:-1]]
+    assert outs[-1]["text"] == full["text"]
+    assert outs[-1]["output_ids"] == full["output_ids"]
+    texts = [o["text"] for o in outs]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), "text must only grow"
+
+
+def test_info_endpoints(http: httpx.Client):
+    info = http.get("/get_model_info").json()
+    assert info["is_generation"] is True
+    assert info["context_length"] == 8192
+    server_info = http.get("/get_server_info").json()
+    assert server_info["phase"] == "ready"
+    assert server_info["server_args"]["dtype"] == "float32"
+    assert "api_key" not in server_info["server_args"]
+    load = http.get("/get_load").json()
+    assert load["max_total_num_tokens"] > 0
+    assert {"num_running_reqs", "num_waiting_reqs", "token_usage"} <= set(load)
