@@ -61,8 +61,10 @@ PDB = ResourceType("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget"
 INGRESS = ResourceType("networking.k8s.io", "v1", "ingresses", "Ingress")
 INFERENCESERVICE = ResourceType(c.GROUP, c.VERSION, c.PLURAL, c.KIND)
 
-# The kinds the builders may emit; `prune` looks for leftovers of each.
+# The kinds the builders may emit. The rank StatefulSet always exists (one per InferenceService,
+# named after it), so `prune` only looks for leftovers of the kinds that come and go.
 CHILD_TYPES = (SERVICE, STATEFULSET, DEPLOYMENT, PDB, INGRESS)
+PRUNED_TYPES = (SERVICE, DEPLOYMENT, PDB, INGRESS)
 _BY_KIND = {(t.api_version, t.kind): t for t in (*CHILD_TYPES, POD, INFERENCESERVICE)}
 
 
@@ -224,7 +226,7 @@ class Kube:
         """Delete the owner's children that `keep` no longer contains; return (kind, name)s."""
         wanted = {(o["kind"], o["metadata"]["name"]) for o in keep}
         deleted = []
-        for rtype in CHILD_TYPES:
+        for rtype in PRUNED_TYPES:
             for item in await self.list(rtype, namespace, owner_labels):
                 meta = item.get("metadata") or {}
                 if (rtype.kind, meta.get("name")) in wanted:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -64,7 +65,7 @@ class StreamChunker(Protocol):
     def usage(self, usage: UsageInfo) -> BaseModel: ...
 
 
-class OpenAIServingBase(Generic[RequestT]):
+class OpenAIServingBase(ABC, Generic[RequestT]):
     """The request flow of an OpenAI endpoint; subclasses build choices and format answers."""
 
     id_prefix: str
@@ -87,21 +88,21 @@ class OpenAIServingBase(Generic[RequestT]):
                 headers=SSE_HEADERS,
             )
         await streams.close()
-        for out in outputs:
-            raise_if_aborted(out)
         response = self.build_response(request, response_id, reqs, outputs)
         return Response(response.model_dump_json(), media_type="application/json")
 
+    @abstractmethod
     def build_inputs(
         self, request: RequestT, raw_request: Request, base_rid: str
     ) -> list[GenerateReqInput]:
-        raise NotImplementedError
+        """One GenerateReqInput per choice, in choice-index order."""
 
+    @abstractmethod
     def chunker(
         self, request: RequestT, response_id: str, reqs: list[GenerateReqInput]
-    ) -> StreamChunker:
-        raise NotImplementedError
+    ) -> StreamChunker: ...
 
+    @abstractmethod
     def build_response(
         self,
         request: RequestT,
@@ -109,7 +110,7 @@ class OpenAIServingBase(Generic[RequestT]):
         reqs: list[GenerateReqInput],
         outputs: list[Output],
     ) -> BaseModel:
-        raise NotImplementedError
+        """The non-streaming answer from every choice's final output."""
 
     def _check_model(self, model: str | None) -> None:
         served = self.tokenizer_manager.model_name
@@ -281,8 +282,8 @@ class ChoiceStreams:
     async def start(self) -> list[Output]:
         """Submit every choice and return its first output (its only one when not streaming).
 
-        A choice rejected before its first output closes all the others and re-raises, so that the
-        client gets a plain HTTP error rather than a stream that fails.
+        A choice rejected before its first output, or aborted in it, closes all the others and
+        raises its RequestError, so that the client gets a plain HTTP error, not a failing stream.
         """
         self._pending = {index: self._read(index) for index in range(len(self._gens))}
         try:
@@ -291,18 +292,20 @@ class ChoiceStreams:
                 error = task.exception() if task.done() else None
                 if error is not None:
                     raise error
+            self.latest = [task.result() for task in self._pending.values()]
+            for out in self.latest:
+                raise_if_aborted(out)
         except BaseException:
             await self.close()
             raise
-        first, self._pending = self._pending, {}
-        self.latest = [task.result() for task in first.values()]
+        self._pending = {}
         for index, out in enumerate(self.latest):
             self._read_next_if_running(index, out)
         return self.latest
 
     async def outputs(self) -> AsyncIterator[tuple[int, Output]]:
         """Yield (index, output): the first outputs in index order, then later ones as they come."""
-        for index, out in enumerate(list(self.latest)):
+        for index, out in enumerate(self.latest):
             yield index, out
         while self._pending:
             done, _ = await asyncio.wait(

