@@ -35,7 +35,9 @@ def embedded_tokenizer():
     return AutoTokenizer.from_pretrained(embedded_model_dir())
 
 
-def wait_for(predicate: Callable[[], T], timeout: float, interval: float = 0.1, what: str = "") -> T:
+def wait_for(
+    predicate: Callable[[], T], timeout: float, interval: float = 0.1, what: str = ""
+) -> T:
     """Poll until `predicate()` is truthy; fail with `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:

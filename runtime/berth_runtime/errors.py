@@ -57,7 +57,8 @@ def error_body(
     param: str | None = None,
     code: str | int | None = None,
 ) -> dict[str, Any]:
-    """The body SGLang and vLLM return: `{"object": "error", "message", "type", "param", "code"}`."""
+    """The body SGLang and vLLM return: `{"object": "error", "message", "type", "param",
+    "code"}`."""
     return {
         "object": "error",
         "message": message,

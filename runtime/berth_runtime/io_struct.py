@@ -1,8 +1,9 @@
 """Every message that crosses a process boundary, plus the API-side GenerateReqInput.
 
-Naming follows SGLang: `*ReqInput` goes into the engine, `*Out` comes out of it, `Batch*` carries one
-entry per request of a scheduler step. Wire structs are tagged msgspec structs, so a socket decodes
-exactly its own union and rejects anything else. No torch here: token ids travel as lists.
+Naming follows SGLang: `*ReqInput` goes into the engine, `*Out` comes out of it, `Batch*`
+carries one entry per request of a scheduler step. Wire structs are tagged msgspec structs, so
+a socket decodes exactly its own union and rejects anything else. No torch here: token ids
+travel as lists.
 """
 
 from __future__ import annotations
@@ -89,7 +90,9 @@ class FinishReason(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     def to_json(self) -> dict[str, object]:
         out: dict[str, object] = {"type": self.type}
         if self.type == "stop":
-            out["matched"] = self.matched_str if self.matched_str is not None else self.matched_token
+            out["matched"] = (
+                self.matched_str if self.matched_str is not None else self.matched_token
+            )
         if self.message is not None:
             out["message"] = self.message
         if self.status_code is not None:
@@ -152,7 +155,7 @@ class BatchStrOut(_Msg):
 
 
 class SchedulerStats(_Msg):
-    """The scheduler's heartbeat: sent every few hundred ms and after every step that changes load."""
+    """The scheduler's heartbeat: its load, sent every half second."""
 
     time: float
     num_running_reqs: int

@@ -21,13 +21,16 @@ class ServerArgs:
     model: str = field(
         default=BUILTIN_MODEL,
         metadata={
-            "help": "Model to serve: builtin://smollm2-135m-instruct (the embedded default), a Hugging "
-            "Face directory (config.json + *.safetensors + tokenizer), or a .gguf file."
+            "help": "Model to serve: builtin://smollm2-135m-instruct (the embedded default), "
+            "a Hugging Face directory (config.json + *.safetensors + tokenizer), or a .gguf file."
         },
     )
     served_model_name: str | None = field(
         default=None,
-        metadata={"help": "Name clients pass as `model` (default: the builtin name or the path's basename)."},
+        metadata={
+            "help": "Name clients pass as `model` "
+            "(default: the builtin name or the path's basename)."
+        },
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
         default="auto",
@@ -47,7 +50,9 @@ class ServerArgs:
             "(default: $BERTH_CACHE_DIR or ~/.cache/berth)."
         },
     )
-    random_seed: int = field(default=0, metadata={"help": "Seed for sampling without a request seed."})
+    random_seed: int = field(
+        default=0, metadata={"help": "Seed for sampling without a request seed."}
+    )
 
     # HTTP
     host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on."})
@@ -55,8 +60,8 @@ class ServerArgs:
     api_key: str | None = field(
         default=None,
         metadata={
-            "help": "Require `Authorization: Bearer <key>` on every endpoint but /health and /metrics "
-            "(default: $BERTH_API_KEY if set)."
+            "help": "Require `Authorization: Bearer <key>` on every endpoint "
+            "but /health and /metrics (default: $BERTH_API_KEY if set)."
         },
     )
     graceful_shutdown_timeout: float = field(
@@ -81,7 +86,9 @@ class ServerArgs:
     )
     max_queued_requests: int | None = field(
         default=None,
-        metadata={"help": "Maximum waiting requests; beyond it new requests get 503 (default: unbounded)."},
+        metadata={
+            "help": "Maximum waiting requests; beyond it new requests get 503 (default: unbounded)."
+        },
     )
     schedule_policy: Literal["fcfs", "lpm", "priority"] = field(
         default="fcfs", metadata={"help": "Order in which waiting requests are admitted."}
@@ -89,7 +96,9 @@ class ServerArgs:
     disable_radix_cache: bool = field(
         default=False, metadata={"help": "Do not share cached prompt prefixes across requests."}
     )
-    tp_size: int = field(default=1, metadata={"help": "Tensor-parallel degree (only 1 is supported)."})
+    tp_size: int = field(
+        default=1, metadata={"help": "Tensor-parallel degree (only 1 is supported)."}
+    )
 
     # Data parallelism and observability
     dp_rank: int | None = field(
@@ -137,7 +146,9 @@ class ServerArgs:
             if f.type == "bool":
                 parser.add_argument(flag, action="store_true", help=help_text)
                 continue
-            kwargs: dict[str, Any] = {"default": f.default, "help": f"{help_text} [default: {f.default}]"}
+            if "default" not in help_text:
+                help_text = f"{help_text} [default: {f.default}]"
+            kwargs: dict[str, Any] = {"default": f.default, "help": help_text}
             choices = _literal_choices(f.type)
             if choices:
                 kwargs["choices"] = choices

@@ -18,7 +18,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from berth_runtime import __version__
-from berth_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from berth_runtime.entrypoints.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    validation_error,
+)
 from berth_runtime.errors import RequestError, error_body
 from berth_runtime.io_struct import GenerateReqInput
 from berth_runtime.sampling_params import SamplingParams
@@ -67,7 +71,9 @@ class ApiKeyMiddleware:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 body = error_body("invalid or missing API key", "AuthenticationError", 401)
-                response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                response = JSONResponse(
+                    body, status_code=401, headers={"WWW-Authenticate": "Bearer"}
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -108,13 +114,7 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = ".".join(loc) or None
-        message = first.get("msg", "invalid request")
-        if param:
-            message = f"{param}: {message}"
-        return _error_response(RequestError(message, HTTPStatus.BAD_REQUEST, param=param))
+        return _error_response(validation_error(exc.errors()))
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
@@ -190,7 +190,9 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
                 "server_args": server_args,
                 "engine": state.engine_info,
                 "started_time": state.started_time,
-                "load_time_s": (state.ready_time - state.started_time) if state.ready_time else None,
+                "load_time_s": (state.ready_time - state.started_time)
+                if state.ready_time
+                else None,
             }
         )
 
@@ -345,7 +347,9 @@ def _parse_generate(body: dict[str, Any]) -> tuple[list[GenerateReqInput], bool]
         prompts, is_batch = [(None, ids) for ids in input_ids], True
     else:
         param = "text" if text is not None else "input_ids"
-        raise RequestError(f"{param} must be a string / token-id list or a non-empty list of them", param=param)
+        raise RequestError(
+            f"{param} must be a string / token-id list or a non-empty list of them", param=param
+        )
 
     base_rid = body.get("rid")
     common = {}
@@ -366,13 +370,17 @@ def _parse_generate(body: dict[str, Any]) -> tuple[list[GenerateReqInput], bool]
     objs = []
     for i, (t, ids) in enumerate(prompts):
         rid = None if base_rid is None else (f"{base_rid}-{i}" if is_batch else str(base_rid))
-        objs.append(GenerateReqInput(text=t, input_ids=ids, sampling_params=params, rid=rid, **common))
+        objs.append(
+            GenerateReqInput(text=t, input_ids=ids, sampling_params=params, rid=rid, **common)
+        )
     return objs, is_batch
 
 
 def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
     )
 
 

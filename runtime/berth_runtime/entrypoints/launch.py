@@ -1,4 +1,4 @@
-"""launch_server: start the scheduler and detokenizer processes and the HTTP server; stop them all."""
+"""launch_server: start the engine processes and the HTTP server, and stop them all."""
 
 from __future__ import annotations
 
@@ -47,7 +47,10 @@ class Engine:
         ):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
-                target=target, args=(self.args, self.ports, model_path, writer), name=name, daemon=True
+                target=target,
+                args=(self.args, self.ports, model_path, writer),
+                name=name,
+                daemon=True,
             )
             proc.start()
             writer.close()
@@ -177,7 +180,9 @@ def _precheck_model(args: ServerArgs) -> None:
         from berth_runtime.models.loader import builtin_gguf_path
 
         if args.model != BUILTIN_MODEL:
-            raise ModelSourceError(f"unknown builtin model {args.model!r}; the only one is {BUILTIN_MODEL}")
+            raise ModelSourceError(
+                f"unknown builtin model {args.model!r}; the only one is {BUILTIN_MODEL}"
+            )
         builtin_gguf_path()
         return
     from pathlib import Path

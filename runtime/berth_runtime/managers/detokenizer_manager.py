@@ -1,4 +1,4 @@
-"""Detokenizer: turn each request's new token ids into new text, UTF-8 safe and stop-string aware."""
+"""Detokenizer: turn each request's new token ids into text, UTF-8 safe and stop-string aware."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from berth_runtime.io_struct import BatchStrOut, BatchTokenIDOut, FinishReason
+
 
 @dataclass
 class DecodeState:
@@ -72,7 +73,9 @@ class IncrementalDetokenizer:
     def _advance(self, state: DecodeState, skip_special_tokens: bool, flush: bool) -> None:
         # Decode the already-read tokens again together with the new ones, and take the difference:
         # byte-level tokens only render correctly next to their neighbours.
-        prefix_text = self.decode(state.ids[state.prefix_offset : state.read_offset], skip_special_tokens)
+        prefix_text = self.decode(
+            state.ids[state.prefix_offset : state.read_offset], skip_special_tokens
+        )
         full_text = self.decode(state.ids[state.prefix_offset :], skip_special_tokens)
         if len(full_text) <= len(prefix_text):
             return

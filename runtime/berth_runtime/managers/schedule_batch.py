@@ -125,4 +125,5 @@ class Req:
         return self.max_new_tokens - len(self.output_ids)
 
     def __repr__(self) -> str:
-        return f"Req(rid={self.rid!r}, prompt={len(self.origin_input_ids)}, out={len(self.output_ids)})"
+        prompt, out = len(self.origin_input_ids), len(self.output_ids)
+        return f"Req(rid={self.rid!r}, prompt={prompt}, out={out})"

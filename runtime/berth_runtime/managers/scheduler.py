@@ -102,7 +102,7 @@ class Scheduler:
         if room <= 0 or prompt_len == 0:
             self._finish_abort(req, f"prompt of {prompt_len} tokens does not fit", 400)
             return
-        if max_new == 0:
+        if max_new == 0 and not req.return_prompt_logprobs:
             req.finished_reason = FinishReason("length")
             self.finished_unsent.append(req)
             return
@@ -251,8 +251,14 @@ class Scheduler:
                 self._add_prompt_logprobs(e.req, e.start, e.end, rows)
             row_start += e.end - e.start
         done = [i for i, e in enumerate(entries) if e.end == e.req.fill_len]
+        for i in [i for i in done if entries[i].req.max_new_tokens == 0]:
+            # Prompt scoring only (echo + logprobs, max_tokens=0): finish without sampling.
+            entries[i].req.finished_reason = FinishReason("length")
+            self._release(entries[i].req)
+        scored = [entries[i].req for i in done if entries[i].req.finished]
+        done = [i for i in done if not entries[i].req.finished]
         if not done:
-            return []
+            return scored
         reqs = [entries[i].req for i in done]
         self.stats.prompt_tokens += sum(len(r.origin_input_ids) for r in reqs if not r.output_ids)
         logits = self.runner.compute_logits(hidden[batch.last_token_index[done]])
@@ -260,7 +266,7 @@ class Scheduler:
         for req in reqs:
             if not req.finished:
                 self.running.append(req)
-        return reqs
+        return scored + reqs
 
     def _run_decode(self) -> list[Req]:
         self._retract_until_fits(len(self.running))
@@ -438,7 +444,9 @@ class Scheduler:
             if send_prompt:
                 req.prompt_logprobs_sent = True
                 out.input_token_logprobs.append(req.input_token_logprobs)
-                out.input_top_logprobs.append(req.input_top_logprobs if req.top_logprobs_num else None)
+                out.input_top_logprobs.append(
+                    req.input_top_logprobs if req.top_logprobs_num else None
+                )
             else:
                 out.input_token_logprobs.append(None)
                 out.input_top_logprobs.append(None)
@@ -463,7 +471,9 @@ class Scheduler:
             max_total_num_tokens=self.max_total_tokens,
             gen_throughput=self.stats.last_throughput,
             cache_hit_rate=(
-                self.stats.cached_tokens / self.stats.prompt_tokens if self.stats.prompt_tokens else 0.0
+                self.stats.cached_tokens / self.stats.prompt_tokens
+                if self.stats.prompt_tokens
+                else 0.0
             ),
             step_count=self.stats.step_count,
         )

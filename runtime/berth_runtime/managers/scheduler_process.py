@@ -41,7 +41,10 @@ def eos_token_ids(model_path: str, tokenizer) -> set[int]:
     from transformers import AutoConfig, GenerationConfig
 
     ids: set[int] = set()
-    candidates = [tokenizer.eos_token_id, getattr(AutoConfig.from_pretrained(model_path), "eos_token_id", None)]
+    candidates = [
+        tokenizer.eos_token_id,
+        getattr(AutoConfig.from_pretrained(model_path), "eos_token_id", None),
+    ]
     try:
         candidates.append(GenerationConfig.from_pretrained(model_path).eos_token_id)
     except OSError:

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -70,7 +70,9 @@ class ReqState:
 class TokenizerManager:
     """Tokenizes requests, sends them to the scheduler, and streams results back per request."""
 
-    def __init__(self, args: ServerArgs, ports: PortArgs, model_path: str, engine_info: dict) -> None:
+    def __init__(
+        self, args: ServerArgs, ports: PortArgs, model_path: str, engine_info: dict
+    ) -> None:
         from transformers import AutoTokenizer
 
         self.args = args
@@ -129,7 +131,7 @@ class TokenizerManager:
 
     async def generate_request(
         self, obj: GenerateReqInput, raw_request: Any | None = None
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """Run one request; yield output dicts (one per step if streaming, else one at the end).
 
         Rejections raise RequestError before the first yield. Closing the generator early (the
@@ -149,7 +151,11 @@ class TokenizerManager:
             self.send_to_scheduler.send(self.encoder.encode(tokenized))
             first = True
             async for out in self._wait_outputs(rid, state, raw_request):
-                if first and state.finish_reason is not None and state.finish_reason.type == "abort":
+                if (
+                    first
+                    and state.finish_reason is not None
+                    and state.finish_reason.type == "abort"
+                ):
                     raise self._abort_error(state.finish_reason)
                 first = False
                 yield out
@@ -158,7 +164,9 @@ class TokenizerManager:
                 self._send_abort(rid, "client disconnected")
             self.rid_to_state.pop(rid, None)
 
-    def _tokenize(self, obj: GenerateReqInput, rid: str, state: ReqState) -> TokenizedGenerateReqInput:
+    def _tokenize(
+        self, obj: GenerateReqInput, rid: str, state: ReqState
+    ) -> TokenizedGenerateReqInput:
         if obj.input_ids is not None:
             input_ids = list(obj.input_ids)
             if any(not 0 <= t < self.vocab_size for t in input_ids):
@@ -189,7 +197,8 @@ class TokenizerManager:
             )
         if prompt_len + max(max_new or 1, 1) > self.max_total_tokens:
             raise RequestError(
-                f"the request needs {prompt_len + (max_new or 1)} tokens of KV cache but the server "
+                f"the request needs {prompt_len + (max_new or 1)} tokens of KV cache but the "
+                "server "
                 f"holds at most {self.max_total_tokens}",
                 param="max_tokens",
             )
@@ -216,14 +225,19 @@ class TokenizerManager:
     async def _wait_outputs(
         self, rid: str, state: ReqState, raw_request: Any | None
     ) -> AsyncIterator[dict[str, Any]]:
+        last_check = time.monotonic()
         while True:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(state.event.wait(), timeout=DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if raw_request is not None and await raw_request.is_disconnected():
+            # Outputs may arrive every step, so check for a vanished client by the clock.
+            now = time.monotonic()
+            if raw_request is not None and now - last_check >= DISCONNECT_POLL_S:
+                last_check = now
+                if not state.finished and await raw_request.is_disconnected():
                     self._send_abort(rid, "client disconnected")
                     state.finished = True  # do not abort twice
-                    raise RequestError("client disconnected", 499) from None
+                    raise RequestError("client disconnected", 499)
+            if not state.event.is_set():
                 continue
             state.event.clear()
             if not state.updated:
@@ -246,15 +260,20 @@ class TokenizerManager:
             self.send_to_scheduler.send(self.encoder.encode(AbortReq(rid=rid, message=message)))
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> bool:
-        """`POST /abort_request`: True if a matching request was in flight."""
-        found = abort_all or rid in self.rid_to_state
-        if found:
-            self.send_to_scheduler.send(
-                self.encoder.encode(
-                    AbortReq(rid=rid, abort_all=abort_all, message="aborted by request", status_code=499)
-                )
+        """`POST /abort_request`: abort `rid` and its choices (`rid-0`, `rid-1`, ... for n > 1).
+
+        Returns True if a matching request was in flight.
+        """
+        if abort_all:
+            targets = [""]
+        else:
+            targets = [r for r in self.rid_to_state if r == rid or r.startswith(f"{rid}-")]
+        for target in targets:
+            msg = AbortReq(
+                rid=target, abort_all=abort_all, message="aborted by request", status_code=499
             )
-        return found
+            self.send_to_scheduler.send(self.encoder.encode(msg))
+        return bool(targets)
 
     async def flush_cache(self) -> FlushCacheOut:
         future: asyncio.Future[FlushCacheOut] = asyncio.get_running_loop().create_future()
@@ -305,7 +324,8 @@ class TokenizerManager:
             input_logprobs = batch.input_token_logprobs[i]
             if input_logprobs is not None:
                 state.input_token_logprobs = [
-                    (lp, tid, self.token_text(tid)) for lp, tid in zip(input_logprobs, state.input_ids)
+                    (lp, tid, self.token_text(tid))
+                    for lp, tid in zip(input_logprobs, state.input_ids)
                 ]
                 tops_in = batch.input_top_logprobs[i]
                 if tops_in is not None:

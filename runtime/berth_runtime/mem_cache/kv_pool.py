@@ -55,7 +55,9 @@ class ReqToTokenPool:
     """Row per running request: the KV slot of each of its token positions."""
 
     def __init__(self, max_reqs: int, max_context_len: int, device: torch.device) -> None:
-        self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=torch.int64, device=device)
+        self.req_to_token = torch.zeros(
+            (max_reqs, max_context_len), dtype=torch.int64, device=device
+        )
         self.free_rows = list(range(max_reqs))
         self.max_reqs = max_reqs
 

@@ -59,7 +59,9 @@ class ForwardBatch:
 
         extend_t = torch.tensor(extend_lens, dtype=torch.int64, device=device)
         prefix_t = torch.tensor(prefix_lens, dtype=torch.int64, device=device)
-        query_batch_index = torch.repeat_interleave(torch.arange(batch_size, device=device), extend_t)
+        query_batch_index = torch.repeat_interleave(
+            torch.arange(batch_size, device=device), extend_t
+        )
         starts = torch.cumsum(extend_t, 0) - extend_t
         query_pos_index = torch.arange(len(input_ids), device=device) - starts[query_batch_index]
         positions = prefix_t[query_batch_index] + query_pos_index

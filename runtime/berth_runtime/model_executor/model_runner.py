@@ -19,7 +19,7 @@ from berth_runtime.models.llama import MODEL_CLASSES
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# KV capacity on CPU when --max-total-tokens is not given (about 0.75 GB fp32 on the embedded model).
+# KV capacity on CPU without --max-total-tokens (about 0.75 GB fp32 on the embedded model).
 DEFAULT_CPU_KV_TOKENS = 16384
 # Fraction of free accelerator memory (after weights) given to the KV cache.
 CUDA_KV_MEMORY_FRACTION = 0.85

@@ -66,7 +66,9 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     noise = torch.empty_like(probs).exponential_()
     for row, gen in enumerate(info.generators):
         if gen is not None:
-            noise[row] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=gen)
+            noise[row] = torch.empty(probs.shape[1], device=probs.device).exponential_(
+                generator=gen
+            )
     sampled = torch.argmax(probs / noise, dim=-1)
     return torch.where(info.greedy, greedy_ids, sampled)
 
@@ -92,9 +94,9 @@ def apply_penalties(
     (over prompt and output tokens), in place on one row."""
     vocab = logits.shape[-1]
     if output_ids and (params.presence_penalty or params.frequency_penalty):
-        counts = torch.bincount(
-            torch.tensor(output_ids, device=logits.device), minlength=vocab
-        ).to(logits.dtype)
+        counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=vocab).to(
+            logits.dtype
+        )
         logits[row] -= params.frequency_penalty * counts
         logits[row] -= params.presence_penalty * (counts > 0).to(logits.dtype)
     if params.repetition_penalty != 1.0:

@@ -163,7 +163,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder stack; `forward` returns final hidden states, `compute_logits` the vocab scores."""
+    """The decoder stack: `forward` gives final hidden states, `compute_logits` vocab scores."""
 
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()

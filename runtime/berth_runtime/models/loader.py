@@ -1,4 +1,4 @@
-"""Model sources: resolve `--model` to a local Hugging Face directory, converting GGUF files once."""
+"""Model sources: resolve `--model` to a local Hugging Face directory, converting GGUF once."""
 
 from __future__ import annotations
 
@@ -90,7 +90,9 @@ def check_model_dir(path: Path) -> None:
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise ModelSourceError(f"{config_file} is not valid JSON: {e}") from e
-    architectures = config.get("architectures") or _ARCH_BY_MODEL_TYPE.get(config.get("model_type"), [])
+    architectures = config.get("architectures") or _ARCH_BY_MODEL_TYPE.get(
+        config.get("model_type"), []
+    )
     if not any(arch in SUPPORTED_ARCHITECTURES for arch in architectures):
         raise ModelSourceError(
             f"unsupported architecture {architectures or 'unknown'} in {config_file}; "

@@ -22,14 +22,21 @@ def idle(http: httpx.Client) -> bool:
 
 def test_stream_disconnect_aborts(server, http: httpx.Client):
     wait_for(lambda: idle(http), 30, what="an idle server")
-    body = {"model": "smollm2-135m-instruct", "prompt": "Write a long essay.", "max_tokens": 2000,
-            "stream": True, "ignore_eos": True}
-    with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        with c.stream("POST", "/v1/completions", json=body) as resp:
-            lines = resp.iter_lines()
-            for _ in range(5):
-                next(lines)
-            assert running(http) == 1
+    body = {
+        "model": "smollm2-135m-instruct",
+        "prompt": "Write a long essay.",
+        "max_tokens": 2000,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with (
+        httpx.Client(base_url=server.base_url, timeout=60) as c,
+        c.stream("POST", "/v1/completions", json=body) as resp,
+    ):
+        lines = resp.iter_lines()
+        for _ in range(5):
+            next(lines)
+        assert running(http) == 1
     # The connection is closed: the scheduler must drop the request quickly.
     wait_for(lambda: idle(http), 10, what="the disconnected request to be aborted")
 
@@ -49,7 +56,9 @@ def test_abort_request_by_rid(server, http: httpx.Client):
     result: dict = {}
     body = {"text": "Write a long essay.", "rid": "abort-me", "sampling_params": LONG}
     t = threading.Thread(
-        target=lambda: result.update(r=httpx.post(f"{server.base_url}/generate", json=body, timeout=120))
+        target=lambda: result.update(
+            r=httpx.post(f"{server.base_url}/generate", json=body, timeout=120)
+        )
     )
     t.start()
     wait_for(lambda: running(http) == 1, 30, what="the request to start")

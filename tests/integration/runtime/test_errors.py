@@ -62,7 +62,9 @@ def test_malformed_json_is_400(http: httpx.Client):
 
 def test_prompt_longer_than_context_is_400(http: httpx.Client):
     long_prompt = "hello " * 9000
-    err = assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt}), 400)
+    err = assert_error(
+        http.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt}), 400
+    )
     assert "context length" in err["message"]
     resp = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 9000})
     assert "context length" in assert_error(resp, 400)["message"]
@@ -81,15 +83,28 @@ def test_native_generate_rejects_unknown_sampling_params(http: httpx.Client):
 
 def test_duplicate_in_flight_rid_is_400(http: httpx.Client, server):
     rid = "dup-rid-test"
-    body = {"text": "Tell me a story.", "rid": rid, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    body = {
+        "text": "Tell me a story.",
+        "rid": rid,
+        "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
+    }
     result: dict = {}
     first = threading.Thread(
-        target=lambda: result.update(r=httpx.post(f"{server.base_url}/generate", json=body, timeout=120))
+        target=lambda: result.update(
+            r=httpx.post(f"{server.base_url}/generate", json=body, timeout=120)
+        )
     )
     first.start()
     try:
-        wait_for(lambda: http.get("/get_load").json()["num_inflight_requests"] >= 1, 30, what="first request")
-        assert "already running" in assert_error(http.post("/generate", json=body), 400, "rid")["message"]
+        wait_for(
+            lambda: http.get("/get_load").json()["num_inflight_requests"] >= 1,
+            30,
+            what="first request",
+        )
+        assert (
+            "already running"
+            in assert_error(http.post("/generate", json=body), 400, "rid")["message"]
+        )
     finally:
         http.post("/abort_request", json={"rid": rid})
         first.join(60)
@@ -97,6 +112,8 @@ def test_duplicate_in_flight_rid_is_400(http: httpx.Client, server):
 
 
 def test_server_still_serves_after_bad_input(http: httpx.Client):
-    resp = http.post(CHAT, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 3, "temperature": 0})
+    resp = http.post(
+        CHAT, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 3, "temperature": 0}
+    )
     assert resp.status_code == 200
     assert resp.json()["usage"]["completion_tokens"] <= 3

@@ -1,4 +1,4 @@
-"""Start-up, model sources, API keys, draining on SIGTERM and dying children, with real processes."""
+"""Start-up, model sources, API keys, SIGTERM draining and dying children, on real processes."""
 
 from __future__ import annotations
 
@@ -16,7 +16,13 @@ import httpx
 import psutil
 import pytest
 
-from tests.helpers import BUILTIN_GGUF, RunningServer, embedded_gguf_dir, embedded_model_dir, wait_for
+from tests.helpers import (
+    BUILTIN_GGUF,
+    RunningServer,
+    embedded_gguf_dir,
+    embedded_model_dir,
+    wait_for,
+)
 
 MODEL = "smollm2-135m-instruct"
 
@@ -106,14 +112,19 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly():
 
 
 def test_api_key_protects_everything_but_health():
-    srv = RunningServer("--model", embedded_model_dir(), env={"BERTH_API_KEY": "s3cret"}).wait_ready()
+    srv = RunningServer(
+        "--model", embedded_model_dir(), env={"BERTH_API_KEY": "s3cret"}
+    ).wait_ready()
     try:
         base = srv.base_url
         assert httpx.get(f"{base}/health").status_code == 200
         unauthorized = httpx.get(f"{base}/v1/models")
         assert unauthorized.status_code == 401
         assert unauthorized.json()["object"] == "error"
-        assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert (
+            httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code
+            == 401
+        )
         assert httpx.post(f"{base}/generate", json={"text": "hi"}).status_code == 401
         ok = httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200
@@ -132,7 +143,9 @@ def test_dead_child_fails_requests_and_exits_nonzero(victim: str):
         result: dict = {}
         body = {"text": "Go on:", "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
         t = threading.Thread(
-            target=lambda: result.update(r=httpx.post(f"{srv.base_url}/generate", json=body, timeout=60))
+            target=lambda: result.update(
+                r=httpx.post(f"{srv.base_url}/generate", json=body, timeout=60)
+            )
         )
         t.start()
         wait_for(

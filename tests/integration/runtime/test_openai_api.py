@@ -14,7 +14,9 @@ CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def test_chat_answers_paris(client: openai.OpenAI):
-    resp = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0, max_tokens=32)
+    resp = client.chat.completions.create(
+        model=MODEL, messages=CAPITAL, temperature=0, max_tokens=32
+    )
     choice = resp.choices[0]
     assert "Paris" in choice.message.content
     assert choice.finish_reason == "stop"
@@ -23,9 +25,15 @@ def test_chat_answers_paris(client: openai.OpenAI):
 
 
 def test_chat_text_part_content(client: openai.OpenAI):
-    messages = [{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}]
-    resp = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32)
-    plain = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0, max_tokens=32)
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}
+    ]
+    resp = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=32
+    )
+    plain = client.chat.completions.create(
+        model=MODEL, messages=CAPITAL, temperature=0, max_tokens=32
+    )
     assert resp.choices[0].message.content == plain.choices[0].message.content
 
 
@@ -33,12 +41,16 @@ def test_chat_stream_matches_non_stream(client: openai.OpenAI):
     kwargs = {"model": MODEL, "messages": CAPITAL, "temperature": 0, "max_tokens": 24}
     full = client.chat.completions.create(**kwargs)
     chunks = list(
-        client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+        client.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
     )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finish == [full.choices[0].finish_reason]
     assert chunks[-1].choices == []
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
@@ -47,20 +59,29 @@ def test_chat_stream_matches_non_stream(client: openai.OpenAI):
 
 def test_length_finish_and_exact_usage(client: openai.OpenAI, server):
     resp = client.completions.create(
-        model=MODEL, prompt="Once upon a time", max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=7,
+        temperature=0,
+        extra_body={"ignore_eos": True},
     )
     assert resp.choices[0].finish_reason == "length"
     assert resp.usage.completion_tokens == 7
     ids = httpx.post(
         f"{server.base_url}/generate",
-        json={"text": "Once upon a time", "sampling_params": {"max_new_tokens": 7, "temperature": 0}},
+        json={
+            "text": "Once upon a time",
+            "sampling_params": {"max_new_tokens": 7, "temperature": 0},
+        },
     ).json()
     assert resp.usage.prompt_tokens == ids["meta_info"]["prompt_tokens"]
     assert resp.choices[0].text == ids["text"]
 
 
 def test_stop_string_never_leaks(client: openai.OpenAI):
-    base = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0)
+    base = client.completions.create(
+        model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0
+    )
     assert " 6" in base.choices[0].text, base.choices[0].text
     for stream in (False, True):
         kwargs = {"model": MODEL, "prompt": "1, 2, 3, 4,", "max_tokens": 16, "temperature": 0}
@@ -77,7 +98,14 @@ def test_stop_string_never_leaks(client: openai.OpenAI):
 
 
 def test_n_choices_with_seed(client: openai.OpenAI):
-    kwargs = {"model": MODEL, "messages": CAPITAL, "max_tokens": 12, "temperature": 1.0, "seed": 7, "n": 2}
+    kwargs = {
+        "model": MODEL,
+        "messages": CAPITAL,
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 7,
+        "n": 2,
+    }
     first = client.chat.completions.create(**kwargs)
     again = client.chat.completions.create(**kwargs)
     assert [c.index for c in first.choices] == [0, 1]
@@ -114,13 +142,17 @@ def test_completion_echo_with_prompt_logprobs(client: openai.OpenAI):
 
 
 def test_prompt_as_token_ids_and_list(client: openai.OpenAI, http: httpx.Client):
-    ids = http.post("/generate", json={"text": "Hello there", "sampling_params": {"max_new_tokens": 1}}).json()
+    ids = http.post(
+        "/generate", json={"text": "Hello there", "sampling_params": {"max_new_tokens": 1}}
+    ).json()
     assert ids["meta_info"]["prompt_tokens"] >= 2
     resp = client.completions.create(
         model=MODEL, prompt=["Hello there", "The sky is"], max_tokens=4, temperature=0
     )
     assert [c.index for c in resp.choices] == [0, 1]
-    single = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, temperature=0)
+    single = client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=4, temperature=0
+    )
     assert resp.choices[1].text == single.choices[0].text
 
 
@@ -134,7 +166,10 @@ def test_models_endpoint(client: openai.OpenAI, http: httpx.Client):
 
 
 def test_native_generate_stream_and_meta(http: httpx.Client):
-    body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 5, "temperature": 0}}
+    body = {
+        "text": "The capital of France is",
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0},
+    }
     full = http.post("/generate", json=body).json()
     assert full["meta_info"]["finish_reason"]["type"] in ("length", "stop")
     assert full["meta_info"]["completion_tokens"] == len(full["output_ids"])

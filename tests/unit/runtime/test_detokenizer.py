@@ -1,4 +1,4 @@
-"""Incremental detokenization: UTF-8 safety, stop strings never leaking, agreement with full decode."""
+"""Incremental detokenization: UTF-8 safety, no leaked stop strings, equal to a full decode."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import pytest
 
 from berth_runtime.io_struct import FinishReason
 from berth_runtime.managers.detokenizer_manager import IncrementalDetokenizer, _partial_stop_suffix
-
 from tests.helpers import embedded_tokenizer
 
 
@@ -46,7 +45,9 @@ def test_multibyte_character_is_held_until_complete(tokenizer, detok):
 
 def test_stop_string_is_cut_and_never_streamed(tokenizer, detok):
     ids = tokenizer("The answer is 42. STOP here please").input_ids
-    deltas = stream(detok, ids, stops=["STOP"], finish_last=FinishReason("stop", matched_str="STOP"))
+    deltas = stream(
+        detok, ids, stops=["STOP"], finish_last=FinishReason("stop", matched_str="STOP")
+    )
     assert "".join(deltas) == "The answer is 42. "
     assert not any("S" in d for d in deltas), "part of the stop string was emitted early"
 

@@ -17,7 +17,10 @@ def info(params, generators=None):
 
 def test_greedy_rows_take_argmax_in_a_mixed_batch():
     logits = torch.tensor([[0.0, 5, 1, 0, 0, 0, 0, 0]] * 2)
-    params = [SamplingParams(temperature=0.0).normalized(), SamplingParams(temperature=1.0, top_k=1)]
+    params = [
+        SamplingParams(temperature=0.0).normalized(),
+        SamplingParams(temperature=1.0, top_k=1),
+    ]
     assert sample(logits.clone(), info(params)).tolist() == [1, 1]
 
 

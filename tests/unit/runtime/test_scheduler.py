@@ -40,7 +40,9 @@ class CountingRunner:
 def make_scheduler(runner=None, **kwargs) -> Scheduler:
     runner = runner or CountingRunner()
     args = ServerArgs(**kwargs)
-    return Scheduler(args, runner, eos_token_ids={EOS}, decode=lambda ids: "".join(f"<{i}>" for i in ids))
+    return Scheduler(
+        args, runner, eos_token_ids={EOS}, decode=lambda ids: "".join(f"<{i}>" for i in ids)
+    )
 
 
 def req(rid: str, prompt: list[int], **params) -> TokenizedGenerateReqInput:

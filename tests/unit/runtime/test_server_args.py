@@ -32,10 +32,24 @@ def test_defaults_round_trip():
 
 def test_flags_parse_to_typed_values():
     args = parse(
-        "--port", "8000", "--dtype", "bfloat16", "--disable-radix-cache", "--dp-rank", "3",
-        "--graceful-shutdown-timeout", "2.5", "--schedule-policy", "lpm",
+        "--port",
+        "8000",
+        "--dtype",
+        "bfloat16",
+        "--disable-radix-cache",
+        "--dp-rank",
+        "3",
+        "--graceful-shutdown-timeout",
+        "2.5",
+        "--schedule-policy",
+        "lpm",
     )
-    assert (args.port, args.dtype, args.disable_radix_cache, args.dp_rank) == (8000, "bfloat16", True, 3)
+    assert (args.port, args.dtype, args.disable_radix_cache, args.dp_rank) == (
+        8000,
+        "bfloat16",
+        True,
+        3,
+    )
     assert args.graceful_shutdown_timeout == 2.5
     assert args.schedule_policy == "lpm"
 
