@@ -113,3 +113,22 @@ class RunningServer:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+def scrape(base_url: str) -> dict[tuple[str, frozenset], float]:
+    """`/metrics` as {(sample name, labels): value}."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def metric(samples: dict[tuple[str, frozenset], float], name: str, **labels: str) -> float:
+    """Sum of the samples called `name` whose labels include `labels` (0 if none)."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)

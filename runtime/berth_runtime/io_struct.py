@@ -33,6 +33,8 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
     routed_dp_rank: int | None = None
     priority: int | None = None
     routing_key: str | None = None
+    # False for internal probes (/health_generate): they do not count in the metrics.
+    log_metrics: bool = True
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
@@ -122,12 +124,10 @@ class BatchTokenIDOut(_Msg):
     # Prompt logprobs, sent once with the first output (None where not requested).
     input_token_logprobs: list[list[float | None] | None]
     input_top_logprobs: list[list[TopLogprobs | None] | None]
-    # Per-request time stamps (time.time()): when first scheduled, and when the first token came.
+    # Per-request time stamps (time.time()): queued in the scheduler, first scheduled, first token.
+    queued_times: list[float]
     scheduled_times: list[float]
     first_token_times: list[float]
-
-
-ToDetokenizer = BatchTokenIDOut
 
 
 # --- detokenizer -> tokenizer manager -----------------------------------------------------------
@@ -147,15 +147,19 @@ class BatchStrOut(_Msg):
     output_top_logprobs: list[list[TopLogprobs] | None]
     input_token_logprobs: list[list[float | None] | None]
     input_top_logprobs: list[list[TopLogprobs | None] | None]
+    queued_times: list[float]
     scheduled_times: list[float]
     first_token_times: list[float]
 
 
-# --- scheduler -> tokenizer manager (control) ---------------------------------------------------
+# --- scheduler -> (detokenizer ->) tokenizer manager: heartbeat and control replies --------
 
 
 class SchedulerStats(_Msg):
-    """The scheduler's heartbeat: its load, sent every half second."""
+    """The scheduler's heartbeat: its load, sent every half second.
+
+    It travels through the detokenizer, so a fresh heartbeat proves both loops are running.
+    """
 
     time: float
     num_running_reqs: int
@@ -173,4 +177,5 @@ class FlushCacheOut(_Msg):
     message: str = ""
 
 
+ToDetokenizer = BatchTokenIDOut | SchedulerStats
 ToTokenizer = BatchStrOut | SchedulerStats | FlushCacheOut

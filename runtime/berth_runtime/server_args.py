@@ -100,6 +100,14 @@ class ServerArgs:
         default=1, metadata={"help": "Tensor-parallel degree (only 1 is supported)."}
     )
 
+    watchdog_timeout: float = field(
+        default=60.0,
+        metadata={
+            "help": "Exit non-zero when the engine's heartbeat has stopped this many seconds (a "
+            "wedged scheduler or detokenizer), so the pod restarts; /health turns 503 after 5 s."
+        },
+    )
+
     # Data parallelism and observability
     dp_rank: int | None = field(
         default=None,
@@ -118,6 +126,8 @@ class ServerArgs:
             positive(name, getattr(self, name))
         for name in ("context_length", "max_total_tokens", "max_queued_requests"):
             positive(name, getattr(self, name))
+        if self.watchdog_timeout <= 0:
+            raise ValueError("--watchdog-timeout must be positive")
         if self.graceful_shutdown_timeout < 0:
             raise ValueError("--graceful-shutdown-timeout must be >= 0")
         if self.dp_rank is not None and self.dp_rank < 0:

@@ -16,6 +16,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from berth_runtime import __version__
 from berth_runtime.entrypoints.protocol import (
@@ -25,14 +26,15 @@ from berth_runtime.entrypoints.protocol import (
 )
 from berth_runtime.errors import RequestError, error_body
 from berth_runtime.io_struct import GenerateReqInput
+from berth_runtime.metrics import HttpMetricsMiddleware, MetricsCollector
 from berth_runtime.sampling_params import SamplingParams
 from berth_runtime.server_args import ServerArgs
 
 # Endpoints that stay open without an API key (probes and scrapers).
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-# The scheduler sends a heartbeat every 0.5 s; this much silence while work is pending means stuck.
-HEARTBEAT_STALE_S = 30.0
+# The scheduler's heartbeat (every 0.5 s, through the detokenizer) older than this: a wedged loop.
+HEARTBEAT_STALE_S = 5.0
 
 
 @dataclass
@@ -46,9 +48,14 @@ class ServerState:
     engine_info: dict[str, Any] = field(default_factory=dict)
     started_time: float = field(default_factory=time.time)
     ready_time: float = 0.0
+    load_progress: dict[str, Any] = field(default_factory=dict)  # from the scheduler while loading
+    metrics: MetricsCollector = field(init=False)
     tokenizer_manager: Any = None  # TokenizerManager once the engine is up
     serving_chat: Any = None
     serving_completion: Any = None
+
+    def __post_init__(self) -> None:
+        self.metrics = MetricsCollector(self.args.model_name, self.args.dp_rank)
 
     def require_ready(self) -> Any:
         if self.phase == "loading":
@@ -140,6 +147,7 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
             input_ids=[0],
             sampling_params=SamplingParams(max_new_tokens=1, ignore_eos=True),
             rid=f"health-{uuid.uuid4().hex}",
+            log_metrics=False,
         )
         try:
             async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
@@ -189,12 +197,17 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
                 "served_model_name": state.args.model_name,
                 "server_args": server_args,
                 "engine": state.engine_info,
+                "load_progress": state.load_progress,
                 "started_time": state.started_time,
                 "load_time_s": (state.ready_time - state.started_time)
                 if state.ready_time
                 else None,
             }
         )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/get_load")
     @app.get("/v1/loads")
@@ -265,16 +278,16 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
         asgi = RankHeaderMiddleware(asgi, state.args.dp_rank)
     if state.args.api_key:
         asgi = ApiKeyMiddleware(asgi, state.args.api_key)
-    return asgi
+    # Outermost, so that rejected (401) requests are counted too.
+    return HttpMetricsMiddleware(asgi, state.metrics)
 
 
 def _health(state: ServerState) -> tuple[bool, str]:
     if state.phase != "ready":
         return False, state.reason or state.phase
-    tm = state.tokenizer_manager
-    silent = time.monotonic() - tm.last_heartbeat
-    if silent > HEARTBEAT_STALE_S and tm.rid_to_state:
-        return False, f"scheduler heartbeat is {silent:.0f}s old with requests in flight"
+    silent = time.monotonic() - state.tokenizer_manager.last_heartbeat
+    if silent > HEARTBEAT_STALE_S:
+        return False, f"no scheduler heartbeat for {silent:.1f}s: the engine loop is stuck"
     return True, ""
 
 

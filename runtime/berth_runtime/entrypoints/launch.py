@@ -9,6 +9,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -34,8 +35,13 @@ class Engine:
         self.ports = PortArgs.create()
         self.procs: list[mp.process.BaseProcess] = []
 
-    def start(self, model_path: str) -> dict[str, Any]:
-        """Spawn the scheduler and detokenizer; block until both are ready (or raise)."""
+    def start(
+        self, model_path: str, on_progress: Callable[[dict[str, Any]], None]
+    ) -> dict[str, Any]:
+        """Spawn the scheduler and detokenizer; block until both are ready (or raise).
+
+        `on_progress` receives the scheduler's loading reports (phase, tensors and bytes done).
+        """
         from berth_runtime.managers.detokenizer_process import run_detokenizer_process
         from berth_runtime.managers.scheduler_process import run_scheduler_process
 
@@ -60,6 +66,9 @@ class Engine:
         for proc, reader in infos:
             try:
                 info = reader.recv()
+                while info.get("status") == "loading":
+                    on_progress({k: v for k, v in info.items() if k != "status"})
+                    info = reader.recv()
             except EOFError:
                 raise RuntimeError(f"the {proc.name} process exited during start-up") from None
             if info.get("status") != "ready":
@@ -203,15 +212,36 @@ async def _start_engine(state: ServerState, engine: Engine, server: BerthServer)
 
     loop = asyncio.get_running_loop()
     try:
-        state.reason = "resolving the model"
+        state.reason = "resolving the model (converting a GGUF file the first time)"
         resolved = await loop.run_in_executor(
             None, resolve_model, state.args.model, state.args.model_cache_dir
         )
         state.model_path = resolved.path
         state.reason = "loading weights"
-        state.engine_info = await loop.run_in_executor(None, engine.start, resolved.path)
+
+        def on_progress(progress: dict[str, Any]) -> None:
+            state.load_progress = progress
+            state.reason = progress["phase"]
+            logger.info(
+                "%s: %d/%d tensors, %.0f/%.0f MB",
+                progress["phase"],
+                progress["tensors_done"],
+                progress["tensors_total"],
+                progress["bytes_done"] / 2**20,
+                progress["bytes_total"] / 2**20,
+            )
+
+        state.engine_info = await loop.run_in_executor(
+            None, engine.start, resolved.path, on_progress
+        )
         tm = await loop.run_in_executor(
-            None, TokenizerManager, state.args, engine.ports, resolved.path, state.engine_info
+            None,
+            TokenizerManager,
+            state.args,
+            engine.ports,
+            resolved.path,
+            state.engine_info,
+            state.metrics,
         )
     except asyncio.CancelledError:
         raise
@@ -235,10 +265,18 @@ async def _start_engine(state: ServerState, engine: Engine, server: BerthServer)
 
 
 async def _watch_children(engine: Engine, server: BerthServer) -> None:
+    """Fail fast when a child dies; fail after --watchdog-timeout when the engine loop wedges."""
+    state = server.state
     while True:
         await asyncio.sleep(CHILD_POLL_S)
-        if engine.procs:
-            reason = engine.dead_child()
-            if reason is not None and server.state.phase in ("ready", "draining", "loading"):
-                server.fail(reason)
-                return
+        if state.phase not in ("ready", "draining", "loading"):
+            return
+        reason = engine.dead_child() if engine.procs else None
+        tm = state.tokenizer_manager
+        if reason is None and tm is not None:
+            silent = time.monotonic() - tm.last_heartbeat
+            if silent > state.args.watchdog_timeout:
+                reason = f"the engine's heartbeat stopped {silent:.0f}s ago (watchdog)"
+        if reason is not None:
+            server.fail(reason)
+            return

@@ -121,6 +121,7 @@ def detokenize_batch(detok: IncrementalDetokenizer, batch: BatchTokenIDOut) -> B
         output_top_logprobs=batch.output_top_logprobs,
         input_token_logprobs=batch.input_token_logprobs,
         input_top_logprobs=batch.input_top_logprobs,
+        queued_times=batch.queued_times,
         scheduled_times=batch.scheduled_times,
         first_token_times=batch.first_token_times,
     )

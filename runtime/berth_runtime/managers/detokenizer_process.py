@@ -8,7 +8,7 @@ from multiprocessing.connection import Connection
 
 import zmq
 
-from berth_runtime.io_struct import ToDetokenizer
+from berth_runtime.io_struct import SchedulerStats, ToDetokenizer
 from berth_runtime.managers.detokenizer_manager import IncrementalDetokenizer, detokenize_batch
 from berth_runtime.server_args import ServerArgs
 from berth_runtime.utils.logging import configure_logging
@@ -47,5 +47,8 @@ def run_detokenizer_process(
         if batch is None:
             if os.getppid() != parent_pid:
                 return
+            continue
+        if isinstance(batch, SchedulerStats):
+            send_to_tokenizer.send(batch)  # the heartbeat passes through: both loops are alive
             continue
         send_to_tokenizer.send(detokenize_batch(detok, batch))

@@ -417,6 +417,7 @@ class Scheduler:
             output_top_logprobs=[],
             input_token_logprobs=[],
             input_top_logprobs=[],
+            queued_times=[],
             scheduled_times=[],
             first_token_times=[],
         )
@@ -450,6 +451,7 @@ class Scheduler:
             else:
                 out.input_token_logprobs.append(None)
                 out.input_top_logprobs.append(None)
+            out.queued_times.append(req.queued_time)
             out.scheduled_times.append(req.scheduled_time)
             out.first_token_times.append(req.first_token_time)
         return out

@@ -62,8 +62,12 @@ def run_scheduler_process(
 ) -> None:
     parent_pid = init_child_process("scheduler")
     configure_logging(args.log_level, "scheduler")
+
+    def report(progress: LoadProgress) -> None:
+        ready.send({"status": "loading", "phase": "loading weights", **progress.to_json()})
+
     try:
-        progress = LoadProgress()
+        progress = LoadProgress(report=report)
         runner = ModelRunner(
             model_path,
             dtype=args.dtype,
@@ -81,6 +85,7 @@ def run_scheduler_process(
             eos_token_ids=eos_token_ids(model_path, tokenizer),
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         )
+        ready.send({"status": "loading", "phase": "warming up", **progress.to_json()})
         warmup(scheduler)
     except Exception as e:
         logger.exception("Scheduler failed to start")
@@ -144,7 +149,7 @@ def event_loop(scheduler: Scheduler, ports: PortArgs, parent_pid: int) -> None:
             if now - last_heartbeat >= HEARTBEAT_INTERVAL_S:
                 last_heartbeat = now
                 stats = scheduler.get_stats()
-                send_to_tokenizer.send(stats)
+                send_to_detokenizer.send(stats)
                 if now - last_log >= LOG_INTERVAL_S and not scheduler.is_idle:
                     last_log = now
                     logger.info(

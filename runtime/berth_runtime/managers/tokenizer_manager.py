@@ -29,6 +29,7 @@ from berth_runtime.io_struct import (
     TokenizedGenerateReqInput,
     ToTokenizer,
 )
+from berth_runtime.metrics import MetricsCollector
 from berth_runtime.sampling_params import SamplingParamsError
 from berth_runtime.server_args import ServerArgs
 from berth_runtime.utils.zmq_ipc import PortArgs
@@ -62,16 +63,23 @@ class ReqState:
     # Time stamps (time.time()) along the chain.
     received_time: float = field(default_factory=time.time)
     tokenized_time: float = 0.0
+    queued_time: float = 0.0
     scheduled_time: float = 0.0
     first_token_time: float = 0.0
     finished_time: float = 0.0
+    last_output_time: float = 0.0  # when the API last received tokens (for TTFT / ITL)
 
 
 class TokenizerManager:
     """Tokenizes requests, sends them to the scheduler, and streams results back per request."""
 
     def __init__(
-        self, args: ServerArgs, ports: PortArgs, model_path: str, engine_info: dict
+        self,
+        args: ServerArgs,
+        ports: PortArgs,
+        model_path: str,
+        engine_info: dict,
+        metrics: MetricsCollector,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -90,6 +98,8 @@ class TokenizerManager:
         self.dead_reason: str | None = None
         self._flush_waiters: list[asyncio.Future[FlushCacheOut]] = []
         self._token_text_cache: dict[int, str] = {}
+        self.metrics = metrics
+        self.metrics.set_engine_info(self.context_len, self.max_total_tokens)
 
         self.ctx = zmq.asyncio.Context()
         self.send_to_scheduler = self.ctx.socket(zmq.PUSH)
@@ -146,9 +156,11 @@ class TokenizerManager:
             raise RequestError(f"a request with rid {rid!r} is already running", param="rid")
         state = ReqState(obj=obj)
         self.rid_to_state[rid] = state
+        sent = False
         try:
             tokenized = self._tokenize(obj, rid, state)
             self.send_to_scheduler.send(self.encoder.encode(tokenized))
+            sent = True
             first = True
             async for out in self._wait_outputs(rid, state, raw_request):
                 if (
@@ -163,6 +175,38 @@ class TokenizerManager:
             if not state.finished and self.dead_reason is None:
                 self._send_abort(rid, "client disconnected")
             self.rid_to_state.pop(rid, None)
+            if sent:
+                self._record_finished(rid, state)
+
+    def _record_finished(self, rid: str, state: ReqState) -> None:
+        """Metrics and the per-request debug line, once, when the request leaves the API."""
+        reason = state.finish_reason
+        aborted = reason is None or reason.type == "abort"
+        now = time.time()
+        if state.obj.log_metrics:
+            self.metrics.observe_finished(
+                received_time=state.received_time,
+                tokenized_time=state.tokenized_time,
+                scheduled_time=state.scheduled_time,
+                prompt_tokens=state.prompt_tokens or len(state.input_ids),
+                completion_tokens=state.completion_tokens,
+                cached_tokens=state.cached_tokens,
+                aborted=aborted,
+                now=now,
+            )
+        if logger.isEnabledFor(logging.DEBUG):
+            ttft = state.first_token_time - state.received_time if state.first_token_time else -1
+            logger.debug(
+                "Finished rid=%s reason=%s prompt_tokens=%d completion_tokens=%d "
+                "cached_tokens=%d ttft=%.3fs e2e=%.3fs",
+                rid,
+                "client_gone" if reason is None else reason.type,
+                state.prompt_tokens or len(state.input_ids),
+                state.completion_tokens,
+                state.cached_tokens,
+                ttft,
+                now - state.received_time,
+            )
 
     def _tokenize(
         self, obj: GenerateReqInput, rid: str, state: ReqState
@@ -292,6 +336,7 @@ class TokenizerManager:
             elif isinstance(msg, SchedulerStats):
                 self.last_stats = msg
                 self.last_heartbeat = time.monotonic()
+                self.metrics.observe_stats(msg)
             elif isinstance(msg, FlushCacheOut):
                 waiters, self._flush_waiters = self._flush_waiters, []
                 for w in waiters:
@@ -299,10 +344,21 @@ class TokenizerManager:
                         w.set_result(msg)
 
     def _handle_batch_output(self, batch: BatchStrOut) -> None:
+        now = time.time()
         for i, rid in enumerate(batch.rids):
             state = self.rid_to_state.get(rid)
             if state is None or state.finished:
                 continue  # aborted or already failed
+            num_new = len(batch.new_token_ids[i])
+            if num_new and state.obj.log_metrics:
+                if state.last_output_time:
+                    self.metrics.observe_tokens(now - state.last_output_time, num_new)
+                else:
+                    self.metrics.observe_first_token(state.received_time, now)
+            if num_new:
+                state.last_output_time = now
+            if batch.queued_times[i]:
+                state.queued_time = batch.queued_times[i]
             state.text += batch.output_strs[i]
             state.output_ids.extend(batch.new_token_ids[i])
             state.prompt_tokens = batch.prompt_tokens[i]
@@ -370,6 +426,7 @@ class TokenizerManager:
             meta["timing"] = {
                 "received": state.received_time,
                 "tokenized": state.tokenized_time,
+                "queued": state.queued_time,
                 "scheduled": state.scheduled_time,
                 "first_token": state.first_token_time,
                 "finished": state.finished_time,

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import glob
+import math
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,7 @@ from berth_runtime.models.llama import MODEL_CLASSES
 
 logger = logging.getLogger(__name__)
 
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # KV capacity on CPU without --max-total-tokens (about 0.75 GB fp32 on the embedded model).
 DEFAULT_CPU_KV_TOKENS = 16384
@@ -27,12 +30,30 @@ CUDA_KV_MEMORY_FRACTION = 0.85
 
 @dataclass
 class LoadProgress:
-    """Where loading stands, for logs and /get_server_info."""
+    """Where loading stands, for logs and /get_server_info; `report` is called at most twice a
+    second while weights load, and once at the end."""
 
     tensors_done: int = 0
     tensors_total: int = 0
     bytes_done: int = 0
     bytes_total: int = 0
+    report: Callable[[LoadProgress], None] | None = None
+    _last_report: float = 0.0
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        done = self.tensors_done == self.tensors_total
+        if self.report is not None and (done or now - self._last_report >= 0.5):
+            self._last_report = now
+            self.report(self)
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "tensors_done": self.tensors_done,
+            "tensors_total": self.tensors_total,
+            "bytes_done": self.bytes_done,
+            "bytes_total": self.bytes_total,
+        }
 
 
 def resolve_device(device: str) -> torch.device:
@@ -126,10 +147,13 @@ class ModelRunner:
 def _iter_weights(model_path: str, progress: LoadProgress | None):
     files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if progress is not None:
-        progress.bytes_total = sum(os.path.getsize(f) for f in files)
         for f in files:
             with safe_open(f, framework="pt") as st:
-                progress.tensors_total += len(list(st.keys()))
+                for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    piece = st.get_slice(name)
+                    numel = math.prod(piece.get_shape())
+                    progress.bytes_total += numel * _DTYPE_BYTES.get(piece.get_dtype(), 4)
+                    progress.tensors_total += 1
     for f in files:
         with safe_open(f, framework="pt") as st:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
@@ -137,4 +161,5 @@ def _iter_weights(model_path: str, progress: LoadProgress | None):
                 if progress is not None:
                     progress.tensors_done += 1
                     progress.bytes_done += tensor.numel() * tensor.element_size()
+                    progress.tick()
                 yield name, tensor

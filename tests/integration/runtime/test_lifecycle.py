@@ -79,6 +79,8 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly():
     srv = RunningServer("--model", gguf, "--graceful-shutdown-timeout", "60").wait_ready()
     ours = ipc_dirs() - before
     children = srv.child_pids()
+    titles = {" ".join(psutil.Process(pid).cmdline()).split()[0] for pid in children}
+    assert {"berth::scheduler", "berth::detokenizer"} <= titles, titles
     assert len(children) >= 2 and len(ours) == 1
     assert httpx.get(f"{srv.base_url}/v1/models").json()["data"][0]["id"] == BUILTIN_GGUF[:-5]
 
@@ -113,7 +115,13 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly():
 
 def test_api_key_protects_everything_but_health():
     srv = RunningServer(
-        "--model", embedded_model_dir(), env={"BERTH_API_KEY": "s3cret"}
+        "--model",
+        embedded_model_dir(),
+        "--dp-rank",
+        "2",
+        "--log-level",
+        "debug",
+        env={"BERTH_API_KEY": "s3cret"},
     ).wait_ready()
     try:
         base = srv.base_url
@@ -130,6 +138,18 @@ def test_api_key_protects_everything_but_health():
         assert ok.status_code == 200
         # A Hugging Face directory is served under its directory name.
         assert ok.json()["data"][0]["id"] == Path(embedded_model_dir()).name
+        # The rank says who it is, and each finished request gets one debug line.
+        assert ok.headers["x-data-parallel-rank"] == "2"
+        gen = httpx.post(
+            f"{base}/generate",
+            json={"text": "hi", "rid": "logged", "sampling_params": {"max_new_tokens": 2}},
+            headers={"Authorization": "Bearer s3cret"},
+        )
+        assert gen.status_code == 200
+        wait_for(lambda: "Finished rid=logged" in srv.output(), 5, what="the request's log line")
+        line = next(x for x in srv.output().splitlines() if "Finished rid=logged" in x)
+        assert "[api]" in line and "completion_tokens=2" in line
+        assert httpx.get(f"{base}/metrics").status_code == 200  # open, like /health
     finally:
         assert srv.stop() == 0
 

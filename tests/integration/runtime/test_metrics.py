@@ -1,0 +1,143 @@
+"""`/metrics` tells the truth: counters equal the traffic, gauges move under load and settle."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+
+from tests.helpers import metric, scrape, wait_for
+from tests.integration.runtime.conftest import MODEL
+
+REQUIRED = [
+    "sglang:num_running_reqs",
+    "sglang:num_queue_reqs",
+    "sglang:token_usage",
+    "sglang:num_used_tokens",
+    "sglang:max_total_num_tokens",
+    "sglang:gen_throughput",
+    "sglang:cache_hit_rate",
+    "sglang:time_to_first_token_seconds_count",
+    "sglang:inter_token_latency_seconds_count",
+    "sglang:e2e_request_latency_seconds_count",
+    "sglang:queue_time_seconds_count",
+    "sglang:prompt_tokens_total",
+    "sglang:generation_tokens_total",
+    "sglang:cached_tokens_total",
+    "sglang:num_requests_total",
+    "sglang:num_aborted_requests_total",
+]
+
+
+def test_every_sglang_metric_is_exported_with_labels(server):
+    samples = scrape(server.base_url)
+    names = {name for name, _ in samples}
+    for name in REQUIRED:
+        assert name in names, name
+    labels = dict(next(ls for (n, ls) in samples if n == "sglang:num_running_reqs"))
+    assert labels == {"model_name": MODEL, "dp_rank": "0"}
+    assert metric(samples, "sglang:max_total_num_tokens") > 0
+
+
+def test_counters_equal_the_traffic(server, client: openai.OpenAI, http: httpx.Client):
+    before = scrape(server.base_url)
+    usages = []
+    for prompt in ("Hello", "The sky is blue because", "List three fruits:"):
+        resp = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+        )
+        usages.append(resp.usage)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usages.append(list(stream)[-1].usage)
+    bad = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "temperature": 9})
+    assert bad.status_code == 400
+    after = scrape(server.base_url)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("sglang:num_requests_total") == 4
+    assert delta("sglang:num_aborted_requests_total") == 0
+    assert delta("sglang:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert delta("sglang:generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert delta("sglang:time_to_first_token_seconds_count") == 4
+    assert delta("sglang:e2e_request_latency_seconds_count") == 4
+    assert delta("sglang:queue_time_seconds_count") == 4
+    # Every token after the first of each request is one inter-token observation.
+    assert delta("sglang:inter_token_latency_seconds_count") == sum(
+        u.completion_tokens - 1 for u in usages
+    )
+    completions = {"endpoint": "/v1/completions", "method": "POST"}
+    assert delta("sglang:http_requests_total", **completions) == 4
+    assert delta("sglang:http_responses_total", status_code="200", **completions) == 3
+    assert delta("sglang:http_responses_total", status_code="400", **completions) == 1
+
+
+def test_gauges_move_under_load_and_return_to_idle(server):
+    body = {
+        "text": "Tell me a long story.",
+        "sampling_params": {"max_new_tokens": 48, "ignore_eos": True},
+    }
+    seen = {"running": 0.0, "used": 0.0, "usage": 0.0}
+
+    def watch() -> bool:
+        samples = scrape(server.base_url)
+        seen["running"] = max(seen["running"], metric(samples, "sglang:num_running_reqs"))
+        seen["used"] = max(seen["used"], metric(samples, "sglang:num_used_tokens"))
+        seen["usage"] = max(seen["usage"], metric(samples, "sglang:token_usage"))
+        return seen["running"] >= 4
+
+    with ThreadPoolExecutor(6) as pool:
+        futures = [
+            pool.submit(httpx.post, f"{server.base_url}/generate", json=body, timeout=120)
+            for _ in range(6)
+        ]
+        wait_for(watch, 60, interval=0.2, what="several running requests in the gauges")
+        assert all(f.result().status_code == 200 for f in futures)
+    assert seen["used"] > 6 * 5 and 0 < seen["usage"] < 1
+    wait_for(
+        lambda: (
+            metric(scrape(server.base_url), "sglang:num_running_reqs") == 0
+            and metric(scrape(server.base_url), "sglang:num_used_tokens") == 0
+        ),
+        10,
+        what="gauges back to idle",
+    )
+    assert metric(scrape(server.base_url), "sglang:num_queue_reqs") == 0
+
+
+def test_disconnect_counts_as_aborted(server, http: httpx.Client):
+    before = metric(scrape(server.base_url), "sglang:num_aborted_requests_total")
+    body = {
+        "text": "Write an essay.",
+        "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True},
+    }
+    try:
+        httpx.post(f"{server.base_url}/generate", json=body, timeout=1.5)
+    except httpx.ReadTimeout:
+        pass
+    wait_for(
+        lambda: metric(scrape(server.base_url), "sglang:num_aborted_requests_total") == before + 1,
+        10,
+        what="the abort to be counted",
+    )
+
+
+def test_health_generate_runs_a_real_generation_and_is_not_counted(server, http: httpx.Client):
+    before = metric(scrape(server.base_url), "sglang:num_requests_total")
+    resp = http.get("/health_generate")
+    assert resp.status_code == 200 and resp.json() == {"status": "ok"}
+    assert metric(scrape(server.base_url), "sglang:num_requests_total") == before
+
+
+def test_metrics_and_load_need_no_auth_and_are_cheap(http: httpx.Client):
+    load = http.get("/get_load").json()
+    assert load["num_running_reqs"] >= 0 and "token_usage" in load
+    assert http.get("/metrics").headers["content-type"].startswith("text/plain")
