@@ -94,6 +94,8 @@ async def child_changed(
             refresher.queued = False
             await _refresh(memo.kube, memo, namespace, owner)
     except k8s.ApiError as e:
+        if e.status == 404:
+            return  # the InferenceService went away meanwhile: nothing to report on
         logger.warning("Could not refresh the status of %s/%s: %s", namespace, owner, e)
     finally:
         refresher.queued = False

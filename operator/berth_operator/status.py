@@ -228,6 +228,8 @@ def compute(
     converged = ranks.complete and (router is None or router.complete)
     if converged:
         progressing = cond(PROGRESSING, False, "Complete", summary)
+    elif observed.statefulset is None or (ranks.current == 0 and ranks.desired > 0):
+        progressing = cond(PROGRESSING, True, "Creating", summary)
     elif not ranks.observed or not ranks.revision_settled or ranks.updated < ranks.desired:
         progressing = cond(PROGRESSING, True, "RollingUpdate", summary)
     elif ranks.current != ranks.desired:

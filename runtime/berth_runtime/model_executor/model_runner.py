@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import glob
-import math
 import logging
+import math
 import os
 import time
 from collections.abc import Callable

@@ -1,0 +1,444 @@
+"""Every builder: the manifests' content, the runtime contract, and Kubernetes' own schemas."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import pytest
+
+from berth_operator import builders
+from berth_operator import constants as c
+from berth_operator.spec import InferenceService
+from berth_runtime.server_args import ServerArgs
+
+from .factories import FULL_SPEC, K8S_VERSIONS, SPEC_MATRIX, parse, validate_strict
+
+
+def by_kind(children: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in children if o["kind"] == kind]
+
+
+def one(children: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (found,) = [o for o in children if o["kind"] == kind and o["metadata"]["name"] == name]
+    return found
+
+
+def rank_container(isvc: InferenceService) -> dict[str, Any]:
+    pod = builders.build_rank_statefulset(isvc)["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    return container
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e for e in container["env"]}
+
+
+def parse_server_args(args: list[str]) -> ServerArgs:
+    """Parse rendered `berth serve` args the way the runtime does, with the rank substituted."""
+    assert args[0] == "serve"
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    ServerArgs.add_cli_args(parser)
+    rendered = [a.replace(f"$({c.ENV_DP_RANK})", "2") for a in args[1:]]
+    return ServerArgs.from_cli_args(parser.parse_args(rendered))
+
+
+# --- children as a whole ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", sorted(SPEC_MATRIX))
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_child_is_valid_for_kubernetes_in_strict_mode(case: str, version: str) -> None:
+    for child in builders.build_children(parse(SPEC_MATRIX[case])):
+        validate_strict(child, version)
+
+
+def test_children_of_the_full_spec() -> None:
+    children = builders.build_children(parse(FULL_SPEC))
+    names = [(o["kind"], o["metadata"]["name"]) for o in children]
+    assert names == [
+        ("Service", "chat-ranks"),
+        ("StatefulSet", "chat"),
+        ("Service", "chat-rank-0"),
+        ("Service", "chat-rank-1"),
+        ("Service", "chat-rank-2"),
+        ("PodDisruptionBudget", "chat"),
+        ("Deployment", "chat-router"),
+        ("PodDisruptionBudget", "chat-router"),
+        ("Service", "chat"),
+        ("Ingress", "chat"),
+    ]
+
+
+def test_every_child_is_owned_labelled_and_namespaced() -> None:
+    isvc = parse(FULL_SPEC)
+    for child in builders.build_children(isvc):
+        meta = child["metadata"]
+        assert meta["namespace"] == "team-a"
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "serving.berth.dev/v1alpha1",
+                "kind": "InferenceService",
+                "name": "chat",
+                "uid": isvc.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+        labels = meta["labels"]
+        for key, value in builders.owned_labels("chat").items():
+            assert labels[key] == value
+        assert labels["app.kubernetes.io/name"] == "berth"
+        assert labels["app.kubernetes.io/instance"] == "chat"
+
+
+def test_without_uid_children_have_no_owner_reference() -> None:
+    for child in builders.build_children(parse({}, uid=None)):
+        assert "ownerReferences" not in child["metadata"]
+
+
+def test_builders_are_deterministic() -> None:
+    assert builders.build_children(parse(FULL_SPEC)) == builders.build_children(parse(FULL_SPEC))
+
+
+def test_minimal_spec_has_no_ingress_and_one_rank_service() -> None:
+    children = builders.build_children(parse({}))
+    assert not by_kind(children, "Ingress")
+    assert [s["metadata"]["name"] for s in by_kind(children, "Service")] == [
+        "chat-ranks",
+        "chat-rank-0",
+        "chat",
+    ]
+
+
+# --- rank StatefulSet ------------------------------------------------------------------------
+
+
+def test_statefulset_selector_matches_its_pods_and_is_stable() -> None:
+    sts = builders.build_rank_statefulset(parse(FULL_SPEC))
+    selector = sts["spec"]["selector"]["matchLabels"]
+    template_labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= template_labels.items()
+    # The selector is immutable in Kubernetes: it must not depend on anything but the name.
+    assert selector == builders.build_rank_statefulset(parse({}))["spec"]["selector"]["matchLabels"]
+    assert sts["spec"]["serviceName"] == "chat-ranks"
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+    assert template_labels[c.LABEL_ENGINE_TYPE] == "sglang"
+
+
+def test_replicas_are_the_ranks() -> None:
+    isvc = parse({"replicas": 3, "autoscaling": {"enabled": True, "maxReplicas": 2}})
+    assert builders.build_rank_statefulset(isvc)["spec"]["replicas"] == 2
+    assert len(builders.build_rank_services(isvc)) == 2
+
+
+def test_rank_comes_from_the_pod_index_label_and_is_passed_as_an_expanded_variable() -> None:
+    container = rank_container(parse({}))
+    env = env_of(container)
+    assert env[c.ENV_DP_RANK]["valueFrom"] == {
+        "fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}
+    }
+    args = container["args"]
+    assert args[args.index("--dp-rank") + 1] == "$(BERTH_DP_RANK)"
+
+
+@pytest.mark.parametrize("case", sorted(SPEC_MATRIX))
+def test_rendered_args_parse_with_the_runtimes_server_args(case: str) -> None:
+    isvc = parse(SPEC_MATRIX[case])
+    container = rank_container(isvc)
+    assert container["command"] == ["berth"]
+    server = parse_server_args(container["args"])
+    assert server.host == "0.0.0.0"
+    assert server.port == c.HTTP_PORT
+    assert server.dp_rank == 2
+    assert server.model_cache_dir == c.CACHE_MOUNT
+    assert server.graceful_shutdown_timeout == isvc.spec.runtime.graceful_shutdown_seconds
+    assert server.api_key is None or server.api_key == ""  # never from args
+
+
+def test_full_spec_args_reach_the_runtime_unchanged() -> None:
+    server = parse_server_args(rank_container(parse(FULL_SPEC))["args"])
+    assert server.model == "/mnt/models/hf/meta-llama--Llama-3.1-8B-Instruct@v1.0"
+    assert server.served_model_name == "llama"
+    assert server.dtype == "bfloat16"
+    assert server.device == "cuda"
+    assert server.context_length == 8192
+    assert server.max_running_requests == 128
+    assert server.max_total_tokens == 200000
+    assert server.max_prefill_tokens == 8192
+    assert server.chunked_prefill_size == 1024
+    assert server.max_queued_requests == 512
+    assert server.schedule_policy == "lpm"
+    assert server.disable_radix_cache is True
+    assert server.log_level == "debug"
+    assert server.graceful_shutdown_timeout == 120
+    assert server.random_seed == 7  # from extraArgs
+    assert server.tp_size == 1
+
+
+def test_builtin_model_passes_no_model_flag() -> None:
+    args = rank_container(parse({}))["args"]
+    assert "--model" not in args and "--served-model-name" not in args
+    assert parse_server_args(args).model == "builtin://smollm2-135m-instruct"
+
+
+@pytest.mark.parametrize(
+    ("uri", "model", "served"),
+    [
+        (
+            "hf://Qwen/Qwen2.5-0.5B-Instruct",
+            "/mnt/models/hf/Qwen--Qwen2.5-0.5B-Instruct@main",
+            "Qwen/Qwen2.5-0.5B-Instruct",
+        ),
+        (
+            "hf://org/repo-GGUF/q4.gguf",
+            "/mnt/models/hf/org--repo-GGUF@main/q4.gguf",
+            "org/repo-GGUF",
+        ),
+        ("pvc://models/llama/8b", "/mnt/models/llama/8b", None),
+        ("pvc://models", "/mnt/models", None),
+        ("file:///opt/model.gguf", "/opt/model.gguf", None),
+    ],
+)
+def test_model_path_per_source(uri: str, model: str, served: str | None) -> None:
+    server = parse_server_args(rank_container(parse({"model": {"uri": uri}}))["args"])
+    assert server.model == model
+    assert server.served_model_name == served
+
+
+def test_api_key_comes_from_the_secret_as_env_never_as_an_argument() -> None:
+    isvc = parse({"apiKeySecretRef": {"name": "chat-key"}})
+    container = rank_container(isvc)
+    assert env_of(container)[c.ENV_API_KEY]["valueFrom"] == {
+        "secretKeyRef": {"name": "chat-key", "key": "api-key"}
+    }
+    assert not any("api-key" in a for a in container["args"])
+    router = builders.build_router_deployment(isvc)["spec"]["template"]["spec"]["containers"][0]
+    assert env_of(router)[c.ENV_API_KEY]["valueFrom"]["secretKeyRef"]["name"] == "chat-key"
+    assert c.ENV_API_KEY not in env_of(rank_container(parse({})))
+
+
+def test_gpu_limits_shared_memory_and_memory_limit() -> None:
+    isvc = parse(FULL_SPEC)
+    res = rank_container(isvc)["resources"]
+    assert res["limits"]["amd.com/gpu"] == "2" and res["requests"]["amd.com/gpu"] == "2"
+    assert res["requests"] == {"cpu": "8", "memory": "64Gi", "amd.com/gpu": "2"}
+    assert res["limits"] == {"memory": "80Gi", "cpu": "16", "amd.com/gpu": "2"}
+    pod = builders.build_rank_statefulset(isvc)["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+    mounts = {m["name"]: m["mountPath"] for m in rank_container(isvc)["volumeMounts"]}
+    assert mounts["dshm"] == "/dev/shm"
+
+
+def test_cpu_rank_requests_no_gpu_and_memory_is_its_own_limit() -> None:
+    res = rank_container(parse({"resources": {"memory": "3Gi"}}))["resources"]
+    assert res == {"requests": {"cpu": "1", "memory": "3Gi"}, "limits": {"memory": "3Gi"}}
+
+
+def test_pods_are_non_root_with_a_read_only_root_filesystem() -> None:
+    for child in builders.build_children(parse(FULL_SPEC)):
+        if child["kind"] not in ("StatefulSet", "Deployment"):
+            continue
+        pod = child["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] == c.RUN_AS_UID
+        assert pod["automountServiceAccountToken"] is False
+        for container in [*pod.get("initContainers", []), *pod["containers"]]:
+            sc = container["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True
+            assert sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"] == {"drop": ["ALL"]}
+            # Every path the processes write to is a volume.
+            assert {m["mountPath"] for m in container["volumeMounts"]} >= {"/tmp"}
+
+
+def test_probes_use_health_and_the_startup_budget_grows_with_the_model() -> None:
+    container = rank_container(parse({}))
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
+        assert container[probe]["timeoutSeconds"] >= 5
+
+    def budget(spec: dict[str, Any]) -> int:
+        probe = rank_container(parse(spec))["startupProbe"]
+        return probe["periodSeconds"] * probe["failureThreshold"]
+
+    builtin = budget({})
+    small = budget({"model": {"uri": "hf://a/b", "sizeGiB": 1}})
+    big = budget({"model": {"uri": "hf://a/b", "sizeGiB": 140}})
+    big_pvc = budget({"model": {"uri": "pvc://m/x", "sizeGiB": 140}})
+    assert builtin == small == 300  # the floor
+    assert big > small and big >= 180 + 140 * 6
+    assert big_pvc > big  # network volumes are read more slowly than a local download
+    assert budget({"runtime": {"startupTimeoutSeconds": 3600}}) == 3600
+    assert budget({"runtime": {"startupTimeoutSeconds": 3605}}) >= 3605
+
+
+def test_graceful_drain_pre_stop_and_termination_grace() -> None:
+    isvc = parse({"runtime": {"gracefulShutdownSeconds": 90, "preStopSleepSeconds": 12}})
+    pod = builders.build_rank_statefulset(isvc)["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "12"]
+    assert pod["terminationGracePeriodSeconds"] == 12 + 90 + builders.TERMINATION_MARGIN_SECONDS
+    assert parse_server_args(container["args"]).graceful_shutdown_timeout == 90
+    router_pod = builders.build_router_deployment(isvc)["spec"]["template"]["spec"]
+    assert router_pod["terminationGracePeriodSeconds"] == pod["terminationGracePeriodSeconds"]
+
+
+def test_hf_model_downloads_in_an_init_container_into_the_model_volume() -> None:
+    isvc = parse(FULL_SPEC)
+    pod = builders.build_rank_statefulset(isvc)["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["command"][:3] == ["hf", "download", "meta-llama/Llama-3.1-8B-Instruct"]
+    command = init["command"]
+    assert command[command.index("--revision") + 1] == "v1.0"
+    assert command[command.index("--local-dir") + 1] == builders.hf_download_dir(isvc.spec)
+    assert "original/*" in command  # Llama repos carry a second copy of the weights
+    assert env_of(init)["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "hf-token",
+        "key": "token",
+    }
+    assert "nvidia.com/gpu" not in str(init["resources"]) and "amd.com" not in str(init)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["model"] == {
+        "name": "model",
+        "persistentVolumeClaim": {"claimName": "model-cache"},
+    }
+    init_mount = {m["name"]: m for m in init["volumeMounts"]}["model"]
+    rank_mount = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}["model"]
+    assert init_mount.get("readOnly") is not True and rank_mount["readOnly"] is True
+    # The rank itself never reaches for the Hub.
+    assert env_of(pod["containers"][0])["HF_HUB_OFFLINE"]["value"] == "1"
+
+
+def test_hf_single_file_download_names_the_file_and_uses_an_empty_dir() -> None:
+    isvc = parse({"model": {"uri": "hf://org/repo/q4.gguf", "cache": {"sizeLimit": "5Gi"}}})
+    pod = builders.build_rank_statefulset(isvc)["spec"]["template"]["spec"]
+    command = pod["initContainers"][0]["command"]
+    assert command[:4] == ["hf", "download", "org/repo", "q4.gguf"]
+    assert "--exclude" not in command and "--revision" not in command
+    assert {v["name"]: v for v in pod["volumes"]}["model"]["emptyDir"] == {"sizeLimit": "5Gi"}
+
+
+def test_pvc_model_is_mounted_read_only_and_needs_no_init_container() -> None:
+    pod = builders.build_rank_statefulset(parse({"model": {"uri": "pvc://models/llama"}}))
+    spec = pod["spec"]["template"]["spec"]
+    assert "initContainers" not in spec
+    assert {v["name"]: v for v in spec["volumes"]}["model"]["persistentVolumeClaim"] == {
+        "claimName": "models",
+        "readOnly": True,
+    }
+
+
+def test_builtin_and_file_models_mount_no_model_volume() -> None:
+    for uri in ("builtin://smollm2-135m-instruct", "file:///models/x"):
+        spec = builders.build_rank_statefulset(parse({"model": {"uri": uri}}))["spec"]
+        assert "model" not in {v["name"] for v in spec["template"]["spec"]["volumes"]}
+
+
+def test_scheduling_fields_reach_the_rank_pods() -> None:
+    pod = builders.build_rank_statefulset(parse(FULL_SPEC))["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert pod["tolerations"] == FULL_SPEC["scheduling"]["tolerations"]
+    assert pod["affinity"] == FULL_SPEC["scheduling"]["affinity"]
+    assert pod["priorityClassName"] == "inference-high"
+    assert pod["topologySpreadConstraints"] == FULL_SPEC["scheduling"]["topologySpreadConstraints"]
+    assert pod["runtimeClassName"] == "nvidia"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    env = env_of(pod["containers"][0])
+    assert env["NCCL_DEBUG"] == {"name": "NCCL_DEBUG", "value": "INFO"}
+
+
+# --- Services, PDBs, router, Ingress -----------------------------------------------------------
+
+
+def test_each_rank_service_selects_exactly_its_pod() -> None:
+    isvc = parse({"replicas": 3})
+    services = builders.build_rank_services(isvc)
+    assert [s["metadata"]["name"] for s in services] == [
+        "chat-rank-0",
+        "chat-rank-1",
+        "chat-rank-2",
+    ]
+    for rank, service in enumerate(services):
+        assert service["spec"]["selector"][c.POD_NAME_LABEL] == f"chat-{rank}"
+        assert service["spec"]["ports"][0]["port"] == c.HTTP_PORT
+        assert service["metadata"]["annotations"][f"{c.GROUP}/dp-rank"] == str(rank)
+
+
+def test_headless_service_publishes_not_ready_ranks() -> None:
+    svc = builders.build_headless_service(parse({}))
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_router_gets_the_policy_and_every_rank_url_in_rank_order() -> None:
+    isvc = parse({"replicas": 3, "routing": {"policy": "roundRobin", "routerReplicas": 2}})
+    dep = builders.build_router_deployment(isvc)
+    assert dep["spec"]["replicas"] == 2
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["berth"]
+    args = container["args"]
+    assert args[:1] == ["router"]
+    assert args[args.index("--policy") + 1] == "round_robin"
+    assert args[args.index("--port") + 1] == "8000"
+    start = args.index("--worker-urls") + 1
+    assert args[start:] == [
+        "http://chat-rank-0.team-a.svc:8000",
+        "http://chat-rank-1.team-a.svc:8000",
+        "http://chat-rank-2.team-a.svc:8000",
+    ]
+    selector = dep["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert selector[c.LABEL_ROLE] == "router"
+
+
+def test_router_with_no_ranks_gets_no_worker_urls() -> None:
+    args = builders.router_args(parse({"replicas": 0}))
+    assert "--worker-urls" not in args
+
+
+def test_entry_service_points_at_the_router_or_at_the_ranks_without_one() -> None:
+    with_router = builders.build_entry_service(parse({}))
+    assert with_router["spec"]["selector"][c.LABEL_ROLE] == "router"
+    assert with_router["spec"]["ports"] == [
+        {"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}
+    ]
+    direct = builders.build_entry_service(parse({"routing": {"routerReplicas": 0}}))
+    assert direct["spec"]["selector"][c.LABEL_ROLE] == "rank"
+    children = builders.build_children(parse({"routing": {"routerReplicas": 0}}))
+    assert not by_kind(children, "Deployment")
+    assert [p["metadata"]["name"] for p in by_kind(children, "PodDisruptionBudget")] == ["chat"]
+
+
+def test_pdbs_allow_one_disruption_at_a_time() -> None:
+    children = builders.build_children(parse(FULL_SPEC))
+    for pdb in by_kind(children, "PodDisruptionBudget"):
+        assert pdb["spec"]["maxUnavailable"] == 1
+    rank_pdb = one(children, "PodDisruptionBudget", "chat")
+    sts = one(children, "StatefulSet", "chat")
+    assert rank_pdb["spec"]["selector"] == sts["spec"]["selector"]
+
+
+def test_ingress_routes_to_the_entry_service_with_tls() -> None:
+    ingress = builders.build_ingress(parse(FULL_SPEC))
+    assert ingress["spec"]["ingressClassName"] == "nginx"
+    assert ingress["spec"]["tls"] == [{"hosts": ["chat.example.com"], "secretName": "chat-tls"}]
+    (rule,) = ingress["spec"]["rules"]
+    assert rule["host"] == "chat.example.com"
+    assert rule["http"]["paths"][0]["backend"] == {
+        "service": {"name": "chat", "port": {"name": "http"}}
+    }
+    assert ingress["metadata"]["annotations"] == FULL_SPEC["ingress"]["annotations"]
+
+
+def test_urls() -> None:
+    full = parse(FULL_SPEC)
+    assert builders.ingress_url(full) == "https://chat.example.com/v1"
+    hostless = parse({"ingress": {}})
+    assert builders.ingress_url(hostless) is None
+    assert builders.ingress_url(hostless, "203.0.113.7") == "http://203.0.113.7/v1"
+    assert builders.ingress_url(parse({})) is None
+    assert builders.cluster_url(full) == "http://chat.team-a.svc/v1"
+    wildcard = parse({"ingress": {"host": "*.example.com"}})
+    assert builders.ingress_url(wildcard) is None
