@@ -79,7 +79,9 @@ class RunningServer:
 
         def ready() -> bool:
             if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+                raise AssertionError(
+                    f"server exited with {self.proc.returncode}:\n{self.output()[-5000:]}"
+                )
             try:
                 return httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200
             except httpx.HTTPError:
@@ -89,8 +91,10 @@ class RunningServer:
         return self
 
     def output(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text(errors="replace")[-5000:]
+        """Everything the server has logged so far."""
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text(errors="replace")
 
     def child_pids(self) -> list[int]:
         import psutil

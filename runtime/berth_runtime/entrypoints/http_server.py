@@ -219,16 +219,19 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
             "phase": state.phase,
             "num_inflight_requests": len(tm.rid_to_state) if tm is not None else 0,
         }
-        if stats is not None:
-            load.update(
-                num_running_reqs=stats.num_running_reqs,
-                num_waiting_reqs=stats.num_waiting_reqs,
-                num_used_tokens=stats.num_used_tokens,
-                max_total_num_tokens=stats.max_total_num_tokens,
-                token_usage=stats.num_used_tokens / max(stats.max_total_num_tokens, 1),
-                gen_throughput=stats.gen_throughput,
-                timestamp=stats.time,
-            )
+        max_tokens = state.engine_info.get("max_total_num_tokens", 0)
+        load.update(  # before the first heartbeat: an idle engine
+            num_running_reqs=stats.num_running_reqs if stats else 0,
+            num_waiting_reqs=stats.num_waiting_reqs if stats else 0,
+            num_used_tokens=stats.num_used_tokens if stats else 0,
+            num_cached_tokens=stats.num_cached_tokens if stats else 0,
+            max_total_num_tokens=stats.max_total_num_tokens if stats else max_tokens,
+            token_usage=stats.num_used_tokens / max(stats.max_total_num_tokens, 1)
+            if stats
+            else 0.0,
+            gen_throughput=stats.gen_throughput if stats else 0.0,
+            timestamp=stats.time if stats else None,
+        )
         return JSONResponse(load)
 
     # --- generation -----------------------------------------------------------------------

@@ -7,6 +7,7 @@ import time
 import torch
 
 from berth_runtime.io_struct import FinishReason, TokenizedGenerateReqInput, TopLogprobs
+from berth_runtime.mem_cache.radix_cache import TreeNode
 from berth_runtime.sampling_params import SamplingParams
 
 
@@ -28,6 +29,8 @@ class Req:
         "generator",
         "req_row",
         "kv_len",
+        "prefix_len",
+        "last_node",
         "cached_tokens",
         "finished_reason",
         "sent_len",
@@ -74,6 +77,8 @@ class Req:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
         self.req_row: int | None = None  # row in ReqToTokenPool while it holds KV
         self.kv_len = 0  # tokens of fill_ids whose K/V are in the cache
+        self.prefix_len = 0  # of those, tokens shared from the radix cache (locked there)
+        self.last_node: TreeNode | None = None  # where the locked radix-cache prefix ends
         self.cached_tokens = 0  # prompt tokens reused from the prefix cache
         self.finished_reason: FinishReason | None = None
         self.sent_len = 0  # output ids already sent to the detokenizer

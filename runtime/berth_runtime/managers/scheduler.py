@@ -19,6 +19,7 @@ from berth_runtime.io_struct import (
     TokenizedGenerateReqInput,
 )
 from berth_runtime.managers.schedule_batch import Req
+from berth_runtime.mem_cache.radix_cache import RadixCache
 from berth_runtime.model_executor.forward_batch import ForwardBatch
 from berth_runtime.model_executor.sampler import SamplingBatchInfo, apply_penalties, sample
 from berth_runtime.server_args import ServerArgs
@@ -29,6 +30,9 @@ logger = logging.getLogger(__name__)
 # fraction of what it may still generate: a guess that keeps retraction rare without idling memory.
 RESERVE_TOKENS_CAP = 256
 RESERVE_RATIO = 0.5
+# Longest-prefix-match ordering costs a tree walk per waiting request; beyond this queue length the
+# scheduler falls back to FCFS (as SGLang does).
+LPM_MAX_QUEUE = 128
 
 
 @dataclass
@@ -84,6 +88,7 @@ class Scheduler:
         )
         self.chunking = args.chunked_prefill_size > 0
 
+        self.tree = None if args.disable_radix_cache else RadixCache(self.kv_pool.free)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -107,10 +112,15 @@ class Scheduler:
             self.finished_unsent.append(req)
             return
         limit = self.args.max_queued_requests
-        if limit is not None and len(self.waiting) >= limit:
+        if limit is not None and self._num_queued() >= limit:
             self._finish_abort(req, f"too many queued requests ({limit}); retry later", 503)
             return
         self.waiting.append(req)
+
+    def _num_queued(self) -> int:
+        """Waiting requests that free batch slots will not take at the next step."""
+        num_live = len(self.running) + (1 if self.chunked_req else 0)
+        return len(self.waiting) - max(0, self.max_running - num_live)
 
     def handle_abort(self, msg: AbortReq) -> None:
         for req in self._all_live_reqs():
@@ -120,6 +130,8 @@ class Scheduler:
     def handle_flush_cache(self, _: FlushCacheReq) -> FlushCacheOut:
         if self.running or self.waiting or self.chunked_req:
             return FlushCacheOut(success=False, message="the scheduler is busy; retry when idle")
+        if self.tree is not None:
+            self.tree.reset()
         self.kv_pool.clear()
         self.req_to_token.clear()
         return FlushCacheOut(success=True)
@@ -176,6 +188,8 @@ class Scheduler:
             is_new = req is not self.chunked_req
             if is_new and num_live >= self.max_running:
                 break
+            if req.req_row is None and not self._admit_with_prefix(req):
+                break
             remaining = req.fill_len - req.kv_len
             chunk = min(remaining, budget)
             if chunk < remaining and not self.chunking and not entries:
@@ -183,17 +197,14 @@ class Scheduler:
             if chunk <= 0 or (chunk < remaining and not self.chunking):
                 break
             reserve = self._reserve(req) if chunk == remaining else 0
-            if chunk + reserved + reserve > self.kv_pool.available_size():
+            if chunk + reserved + reserve > self._free_capacity():
                 if entries or self.running:
+                    self._undo_admission(req)
                     break  # wait for memory to be freed by running requests
-                chunk = min(chunk, self.kv_pool.available_size())  # run what fits
+                chunk = min(chunk, self._free_capacity())  # run what fits
                 if chunk <= 0 or (chunk < remaining and not self.chunking):
+                    self._undo_admission(req)
                     break
-            if req.req_row is None:
-                row = self.req_to_token.alloc()
-                if row is None:
-                    break
-                req.req_row = row
             if is_new:
                 self.waiting.remove(req)
                 num_live += 1
@@ -212,9 +223,60 @@ class Scheduler:
         return entries
 
     def _ordered_waiting(self) -> list[Req]:
-        if self.args.schedule_policy == "priority":
+        policy = self.args.schedule_policy
+        if policy == "priority":
             return sorted(self.waiting, key=lambda r: (-r.priority, r.queued_time))
+        if policy == "lpm" and self.tree is not None and len(self.waiting) <= LPM_MAX_QUEUE:
+            matched = {
+                id(r): len(self.tree.match_prefix(r.fill_ids(0, r.fill_len))[0])
+                for r in self.waiting
+            }
+            return sorted(self.waiting, key=lambda r: -matched[id(r)])  # stable: FCFS on ties
         return list(self.waiting)
+
+    def _admit_with_prefix(self, req: Req) -> bool:
+        """Give `req` a table row and its longest cached prefix (locked); False if no row."""
+        row = self.req_to_token.alloc()
+        if row is None:
+            return False
+        req.req_row = row
+        if self.tree is None or req.return_prompt_logprobs:
+            return True  # prompt logprobs need every prompt position computed
+        # Leave at least one token to run: its logits give the next token.
+        slots, node = self.tree.match_prefix(req.fill_ids(0, req.fill_len - 1))
+        n = len(slots)
+        if n:
+            self.req_to_token.req_to_token[row, :n] = slots
+        self.tree.lock(node)
+        req.last_node = node
+        req.kv_len = req.prefix_len = n
+        if not req.output_ids and not req.scheduled_time:
+            req.cached_tokens = n  # first admission: what the client sees as cached
+            self.stats.cached_tokens += n
+        return True
+
+    def _undo_admission(self, req: Req) -> None:
+        """Admission failed after the prefix was taken: give the row and the lock back."""
+        if req is self.chunked_req or req.req_row is None or req.kv_len != req.prefix_len:
+            return
+        if self.tree is not None and req.last_node is not None:
+            self.tree.unlock(req.last_node)
+        if not req.output_ids and not req.scheduled_time:
+            self.stats.cached_tokens -= req.cached_tokens
+            req.cached_tokens = 0
+        self.req_to_token.free(req.req_row)
+        req.req_row, req.last_node = None, None
+        req.kv_len = req.prefix_len = 0
+
+    def _free_capacity(self) -> int:
+        """Slots that can be had now: free ones plus unlocked cache entries."""
+        evictable = self.tree.evictable_size if self.tree is not None else 0
+        return self.kv_pool.available_size() + evictable
+
+    def _ensure_free(self, need: int) -> None:
+        short = need - self.kv_pool.available_size()
+        if short > 0 and self.tree is not None:
+            self.tree.evict(short)
 
     @staticmethod
     def _reserve(req: Req) -> int:
@@ -222,6 +284,7 @@ class Scheduler:
 
     def _run_extend(self, entries: list[ExtendEntry]) -> list[Req]:
         total = sum(e.end - e.start for e in entries)
+        self._ensure_free(total)
         slots = self.kv_pool.alloc(total)
         assert slots is not None, "admission checked the pool"
         table = self.req_to_token.req_to_token
@@ -300,25 +363,35 @@ class Scheduler:
 
         Their output so far is kept; they are prefilled again (prompt + output) when memory frees.
         """
+        self._ensure_free(need)
         while self.kv_pool.available_size() < need and len(self.running) > 1:
             victim = min(self.running, key=lambda r: (r.priority, -r.queued_time))
             self.running.remove(victim)
             self._release(victim)
             self.waiting.insert(0, victim)
             need -= 1
+            self._ensure_free(need)
             logger.info(
                 "KV cache full: retracted %s (%d tokens kept)", victim.rid, len(victim.output_ids)
             )
 
     def _release(self, req: Req) -> None:
-        """Give a request's KV slots and table row back."""
+        """Give a request's table row back; its KV goes into the radix cache (or is freed)."""
         if req.req_row is None:
             return
-        table = self.req_to_token.req_to_token
-        self.kv_pool.free(table[req.req_row, : req.kv_len].clone())
+        slots = self.req_to_token.req_to_token[req.req_row, : req.kv_len].clone()
+        if self.tree is None:
+            self.kv_pool.free(slots)
+        else:
+            # Tokens the cache already holds (inserted by another request meanwhile) are
+            # duplicates: free our copies. The rest now belongs to the cache.
+            cached = self.tree.insert(req.fill_ids(0, req.kv_len), slots)
+            self.kv_pool.free(slots[req.prefix_len : cached])
+            if req.last_node is not None:
+                self.tree.unlock(req.last_node)
         self.req_to_token.free(req.req_row)
-        req.req_row = None
-        req.kv_len = 0
+        req.req_row, req.last_node = None, None
+        req.kv_len = req.prefix_len = 0
 
     # --- sampling and finishing --------------------------------------------------------------
 
@@ -463,13 +536,16 @@ class Scheduler:
             self.stats.last_throughput = self.stats.window_tokens / elapsed if elapsed > 0 else 0.0
             self.stats.window_start = now
             self.stats.window_tokens = 0
-        used = self.max_total_tokens - self.kv_pool.available_size()
+        cached = self.tree.total_size if self.tree is not None else 0
+        evictable = self.tree.evictable_size if self.tree is not None else 0
+        # As in SGLang, cached KV that no request holds is not "used": it can be evicted.
+        used = self.max_total_tokens - self.kv_pool.available_size() - evictable
         return SchedulerStats(
             time=time.time(),
             num_running_reqs=len(self.running) + (1 if self.chunked_req else 0),
             num_waiting_reqs=len(self.waiting),
             num_used_tokens=used,
-            num_cached_tokens=0,
+            num_cached_tokens=cached,
             max_total_num_tokens=self.max_total_tokens,
             gen_throughput=self.stats.last_throughput,
             cache_hit_rate=(

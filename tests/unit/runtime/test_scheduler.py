@@ -70,7 +70,10 @@ def run_to_idle(s: Scheduler, max_steps: int = 1000) -> dict[str, list]:
 
 
 def assert_all_memory_free(s: Scheduler) -> None:
-    assert s.kv_pool.available_size() == s.kv_pool.size
+    """No request holds KV: every slot is free or an unlocked (evictable) cache entry."""
+    cached = s.tree.evictable_size if s.tree is not None else 0
+    assert s.kv_pool.available_size() + cached == s.kv_pool.size
+    assert s.tree is None or s.tree.protected_size == 0
     assert s.req_to_token.available_size() == s.req_to_token.max_reqs
 
 
@@ -183,13 +186,13 @@ def test_abort_waiting_and_running_frees_memory():
     assert_all_memory_free(s)
 
 
-def test_queue_limit_rejects_with_503():
-    s = make_scheduler(max_queued_requests=1)
-    s.handle_generate(req("a", [1], max_new_tokens=2))
-    s.handle_generate(req("b", [1], max_new_tokens=2))
+def test_queue_limit_counts_only_requests_that_cannot_run_and_rejects_with_503():
+    s = make_scheduler(max_queued_requests=1, max_running_requests=2)
+    for rid in "abcd":  # a and b take the free batch slots, c queues, d is one too many
+        s.handle_generate(req(rid, [1], max_new_tokens=2))
     out = run_to_idle(s)
-    assert out["a"][1].type == "length"
-    assert out["b"][1].type == "abort" and out["b"][1].status_code == 503
+    assert [out[r][1].type for r in "abc"] == ["length"] * 3
+    assert out["d"][1].type == "abort" and out["d"][1].status_code == 503
 
 
 def test_max_running_requests_caps_the_batch():
@@ -225,3 +228,61 @@ def test_stats_account_tokens():
     assert s.get_stats().num_used_tokens == 5
     run_to_idle(s)
     assert s.get_stats().num_used_tokens == 0
+
+
+def test_repeated_prompt_reuses_the_cached_prefix_with_identical_output():
+    runner = CountingRunner()
+    s = make_scheduler(runner)
+    prompt = list(range(1, 25))
+    s.handle_generate(req("first", prompt, max_new_tokens=4))
+    first = run_to_idle(s)["first"][0]
+    s.handle_generate(req("second", prompt, max_new_tokens=4))
+    out = s.step()
+    assert out is not None and out.cached_tokens == [len(prompt) - 1]
+    assert runner.batches[-1][2] == 1  # only the last prompt token was computed
+    second = out.new_token_ids[0] + run_to_idle(s)["second"][0]
+    assert second == first
+    assert s.get_stats().cache_hit_rate > 0.4
+    assert_all_memory_free(s)
+
+
+def test_disabled_radix_cache_computes_everything():
+    runner = CountingRunner()
+    s = make_scheduler(runner, disable_radix_cache=True)
+    for rid in ("a", "b"):
+        s.handle_generate(req(rid, list(range(1, 25)), max_new_tokens=2))
+        run_to_idle(s)
+    assert s.tree is None
+    assert [b[2] for b in runner.batches if not b[0]] == [24, 24]
+    assert_all_memory_free(s)
+
+
+def test_cache_is_evicted_when_new_work_needs_the_memory():
+    s = make_scheduler(CountingRunner(kv_tokens=64))
+    for i in range(6):  # 6 distinct 20-token prompts: far more than the pool keeps
+        s.handle_generate(req(f"r{i}", [i + 1] * 20, max_new_tokens=3))
+        out = run_to_idle(s)
+        assert out[f"r{i}"][1].type == "length"
+    assert s.tree is not None and s.tree.total_size <= 64
+    assert_all_memory_free(s)
+
+
+def test_flush_cache_only_when_idle_and_then_empty():
+    s = make_scheduler()
+    s.handle_generate(req("a", list(range(1, 10)), max_new_tokens=30))
+    s.step()
+    assert not s.handle_flush_cache(None).success
+    run_to_idle(s)
+    assert s.tree is not None and s.tree.total_size > 0
+    assert s.handle_flush_cache(None).success
+    assert s.tree.total_size == 0 and s.kv_pool.available_size() == s.kv_pool.size
+
+
+def test_lpm_policy_prefers_the_longest_cached_prefix():
+    s = make_scheduler(schedule_policy="lpm", max_running_requests=1)
+    s.handle_generate(req("warm", [9] * 20, max_new_tokens=1))
+    run_to_idle(s)
+    s.handle_generate(req("cold", [3] * 20, max_new_tokens=1))
+    s.handle_generate(req("hot", [9] * 20, max_new_tokens=1))
+    first = s.step()
+    assert first is not None and first.rids == ["hot"]
