@@ -52,3 +52,8 @@ clean: ## Remove the virtualenv and caches
 .PHONY: help
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*##"; printf "Usage: make <target>\n"} /^[a-zA-Z_-]+:.*?##/ { printf "  %-12s %s\n", $$1, $$2 } /^##@/ { printf "\n%s\n", substr($$0, 5) }' $(MAKEFILE_LIST)
+
+##@ Benchmarks
+.PHONY: bench
+bench: install ## Berth vs HF transformers generate() side by side (quick; BENCH_ARGS="--full" for all)
+	$(BIN)/berth bench compare $(BENCH_ARGS)

@@ -15,6 +15,14 @@ def main(argv: list[str] | None = None) -> int:
         from berth_operator.cli import main as operator_main
 
         return operator_main(argv[1:])
+    if argv and argv[0] == "bench":
+        from berth_runtime.bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
+    if argv and argv[0] == "router":
+        from berth_runtime.router.server import main as router_main
+
+        return router_main(argv[1:])
 
     parser = argparse.ArgumentParser(prog="berth", description="Berth LLM serving stack")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -25,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ServerArgs.add_cli_args(serve)
     sub.add_parser("operator", help="Run the Kubernetes operator (see `berth operator --help`)")
+    sub.add_parser("router", help="Route requests over DP ranks (see `berth router --help`)")
+    sub.add_parser("bench", help="Benchmark a server, or compare Berth with HF transformers")
     args = parser.parse_args(argv)
 
     if args.command == "serve":

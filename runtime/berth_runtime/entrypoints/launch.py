@@ -141,7 +141,8 @@ def launch_server(args: ServerArgs) -> int:
     set_process_title("api")
     try:
         _precheck_model(args)
-    except ModelSourceError as e:
+        _precheck_device(args)
+    except ValueError as e:  # ModelSourceError included
         print(f"berth serve: error: {e}", file=sys.stderr)
         return 2
 
@@ -203,6 +204,14 @@ def _precheck_model(args: ServerArgs) -> None:
         check_model_dir(path)
     elif path.suffix != ".gguf":
         raise ModelSourceError(f"{path} is a file but not a .gguf file")
+
+
+def _precheck_device(args: ServerArgs) -> None:
+    if args.device == "cuda":
+        import torch  # only here: the API process otherwise never needs torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda was requested but no CUDA device is available")
 
 
 async def _start_engine(state: ServerState, engine: Engine, server: BerthServer) -> None:

@@ -63,15 +63,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """cos/sin of this step's positions, shaped [T, 1, D/2]; computed once per forward."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(
+            dtype
+        )
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+
+
+def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+    """Rotate-half RoPE on [T, heads, D]."""
+    cos, sin = rope
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -94,16 +98,15 @@ class LlamaAttention(nn.Module):
         self,
         hidden: torch.Tensor,
         batch: ForwardBatch,
-        rotary: RotaryEmbedding,
+        rope: RopeTables,
         kv_pool: TokenToKVPool,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(batch.positions, q, k)
+        qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
+        # Rotate the query and key heads in one go (fewer, larger ops: decode is overhead-bound).
+        qk = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], rope)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
 
         k_cache = kv_pool.k_buffer[self.layer_id]
         v_cache = kv_pool.v_buffer[self.layer_id]
@@ -155,10 +158,10 @@ class LlamaDecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         batch: ForwardBatch,
-        rotary: RotaryEmbedding,
+        rope: RopeTables,
         kv_pool: TokenToKVPool,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, rotary, kv_pool)
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, rope, kv_pool)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -181,8 +184,9 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: TokenToKVPool) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids)
+        rope = self.rotary.tables(batch.positions, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(hidden, batch, self.rotary, kv_pool)
+            hidden = layer(hidden, batch, rope, kv_pool)
         return self.norm(hidden)
 
     @torch.inference_mode()

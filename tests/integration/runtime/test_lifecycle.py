@@ -51,6 +51,14 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path: Path):
     assert "Traceback" not in result.stderr
 
 
+def test_missing_cuda_is_a_one_line_error():
+    result = serve_fails("--device", "cuda")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "berth serve: error: --device cuda was requested but no CUDA device is available"
+    )
+
+
 def test_bad_flag_value_is_a_usage_error():
     result = serve_fails("--max-running-requests", "0")
     assert result.returncode == 2

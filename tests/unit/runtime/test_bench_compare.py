@@ -1,0 +1,132 @@
+"""The comparison report: ratios against the right baselines, targets judged, tables rendered."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from berth_runtime.bench.compare import CompareConfig, prefix_ttfts, render, target_rows
+from berth_runtime.bench.metrics import RequestResult, summarize
+
+
+def fake_result(label: str, n: int, out: int, ttft: float, step: float, duration: float) -> dict:
+    results = [
+        RequestResult(
+            success=True,
+            prompt_len=48,
+            output_len=out,
+            output_tokens=out,
+            ttft=ttft,
+            latency=ttft + step * (out - 1),
+            chunk_times=[ttft + step * k for k in range(out)],
+        )
+        for _ in range(n)
+    ]
+    return {
+        "backend": label,
+        **summarize(results, duration),
+        "requests": [r.to_dict() for r in results],
+    }
+
+
+def prefix_run(first: float, second: float) -> dict:
+    a = fake_result("p", 1, 4, first, 0.01, 1)["requests"][0]
+    b = fake_result("p", 1, 4, second, 0.01, 1)["requests"][0]
+    b["cached_tokens"] = 2000
+    return {"requests": [a, b]}
+
+
+def fake_report() -> dict:
+    cfg = CompareConfig()
+    prefix = [prefix_run(1.0, 0.1)]
+    return {
+        "config": asdict(cfg),
+        "machine": {"cpus": 2, "platform": "test", "torch_threads": 2},
+        "scenarios": [
+            {"name": "single", "title": "single stream (3x128)"},
+            {"name": "c8", "title": "8 concurrent (8x128)"},
+            {"name": "c32", "title": "32 concurrent (32x128)"},
+            {"name": "prefix", "title": "shared 2000-token prefix"},
+        ],
+        "berth": {
+            "auto": {
+                "scenarios": {
+                    # 3 x 128 tokens in 6 s; 20 ms TPOT -> 50 tok/s decode; TTFT 50 ms.
+                    "single": fake_result("b", 3, 128, 0.05, 0.02, 6.0),
+                    "c8": fake_result("b", 8, 128, 0.2, 0.05, 1024 / 260),
+                    "c32": fake_result("b", 32, 128, 0.5, 0.2, 4096 / 400),
+                    "prefix": {"runs": prefix, **prefix_ttfts(prefix)},
+                },
+                "memory": {"peak_rss_mib": 1500.0, "pss_mib": 1200.0},
+                "idle_memory_mib": {"processes": 3, "rss_mib": 1400.0, "pss_mib": 1100.0},
+            }
+        },
+        "hf": {
+            "fp32": {
+                "scenarios": {
+                    "single": fake_result("HF generate() fp32 sequential", 3, 128, 0.08, 1 / 32, 12)
+                }
+            },
+            "bf16": {
+                "scenarios": {
+                    "c8": fake_result("HF generate() bf16 static batch 8", 8, 128, 0.1, 0.04, 5.12),
+                    "c32": fake_result(
+                        "HF generate() bf16 static batch 32", 32, 128, 0.3, 0.07, 9.2
+                    ),
+                }
+            },
+        },
+        "notes": ["llama.cpp server not installed: not measured"],
+    }
+
+
+def test_prefix_ttfts_ratio():
+    out = prefix_ttfts([prefix_run(1.0, 0.1), prefix_run(2.0, 0.3)])
+    assert out["first_ttft_ms"] == 1500 and out["second_ttft_ms"] == 200
+    assert abs(out["ratio"] - 200 / 1500) < 1e-9
+    assert out["cached_tokens_second"] == [2000, 2000]
+
+
+def test_targets_use_the_issue_baselines():
+    report = fake_report()
+    rows = {row["target"].split(":")[0]: row for row in target_rows(report)}
+    c32 = rows["32 concurrent"]
+    assert abs(c32["berth"] - 400) < 1e-6 and abs(c32["baseline"] - 4096 / 9.2) < 1e-6
+    assert abs(c32["ratio"] - 400 / (4096 / 9.2)) < 1e-9 and c32["met"] is False
+    c8 = rows["8 concurrent"]
+    assert abs(c8["ratio"] - 260 / 200) < 1e-9 and c8["met"] is True
+    decode = next(r for r in target_rows(report) if "decode" in r["target"])
+    assert abs(decode["ratio"] - 50 / 32) < 1e-6 and decode["met"] is True
+    ttft = next(r for r in target_rows(report) if "TTFT p50" in r["target"])
+    assert abs(ttft["berth"] - 50) < 1e-6 and ttft["met"] is True and ttft["ratio"] is None
+    prefix = next(r for r in target_rows(report) if "prefix" in r["target"])
+    assert abs(prefix["ratio"] - 0.1) < 1e-9 and prefix["met"] is True
+    memory = next(r for r in target_rows(report) if "memory" in r["target"])
+    assert memory["berth"] == 1500.0 and memory["met"] is True
+
+
+def test_missing_baseline_gives_no_ratio():
+    report = fake_report()
+    del report["hf"]
+    rows = target_rows(report)
+    c32 = next(r for r in rows if r["target"].startswith("32 concurrent"))
+    assert c32["ratio"] is None and c32["met"] is None
+
+
+def test_render_prints_every_system_and_target():
+    report = fake_report()
+    report["targets"] = target_rows(report)
+    text = render(report)
+    for needle in (
+        "Berth (auto)",
+        "HF generate() fp32 sequential",
+        "HF generate() bf16 static batch 32",
+        "32 concurrent (32x128)",
+        "2nd/1st",
+        "0.100x",
+        "Targets (issue 3)",
+        ">= 1.3x",
+        "NO",
+        "peak RSS 1,500.0 MiB",
+        "llama.cpp server not installed",
+    ):
+        assert needle in text, needle
