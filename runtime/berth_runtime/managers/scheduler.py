@@ -323,6 +323,8 @@ class Scheduler:
         if not done:
             return scored
         reqs = [entries[i].req for i in done]
+        for req in reqs:
+            self._cache_prefilled(req)
         self.stats.prompt_tokens += sum(len(r.origin_input_ids) for r in reqs if not r.output_ids)
         logits = self.runner.compute_logits(hidden[batch.last_token_index[done]])
         self._sample_and_finish(reqs, logits)
@@ -374,6 +376,25 @@ class Scheduler:
             logger.info(
                 "KV cache full: retracted %s (%d tokens kept)", victim.rid, len(victim.output_ids)
             )
+
+    def _cache_prefilled(self, req: Req) -> None:
+        """Share a request's prompt with later requests as soon as it is prefilled, not only
+        when it finishes (SGLang's cache_unfinished_req): concurrent requests with a common
+        prefix then reuse it."""
+        if self.tree is None or req.req_row is None or req.kv_len == req.prefix_len:
+            return
+        table = self.req_to_token.req_to_token
+        key = req.fill_ids(0, req.kv_len)
+        slots = table[req.req_row, : req.kv_len].clone()
+        cached = self.tree.insert(key, slots)
+        self.kv_pool.free(slots[req.prefix_len : cached])  # duplicates of what was cached
+        tree_slots, node = self.tree.match_prefix(key)
+        table[req.req_row, : req.kv_len] = tree_slots
+        if req.last_node is not None:
+            self.tree.unlock(req.last_node)
+        self.tree.lock(node)
+        req.last_node = node
+        req.prefix_len = req.kv_len
 
     def _release(self, req: Req) -> None:
         """Give a request's table row back; its KV goes into the radix cache (or is freed)."""

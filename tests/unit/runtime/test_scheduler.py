@@ -286,3 +286,17 @@ def test_lpm_policy_prefers_the_longest_cached_prefix():
     s.handle_generate(req("hot", [9] * 20, max_new_tokens=1))
     first = s.step()
     assert first is not None and first.rids == ["hot"]
+
+
+def test_a_running_request_shares_its_prompt_with_requests_arriving_later():
+    runner = CountingRunner()
+    s = make_scheduler(runner)
+    prompt = list(range(1, 25))
+    s.handle_generate(req("first", prompt, max_new_tokens=30))
+    s.step()  # "first" is prefilled and keeps decoding
+    s.handle_generate(req("second", prompt + [9, 9], max_new_tokens=2))
+    out = run_to_idle(s)
+    assert out["second"][1].type == "length"
+    second_prefill = [b for b in runner.batches if not b[0]][-1]
+    assert second_prefill[2] == 2  # only the two new tokens were computed
+    assert_all_memory_free(s)
