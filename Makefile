@@ -57,3 +57,8 @@ help: ## Show this help
 .PHONY: bench
 bench: install ## Berth vs HF transformers generate() side by side (quick; BENCH_ARGS="--full" for all)
 	$(BIN)/berth bench compare $(BENCH_ARGS)
+
+##@ Router
+.PHONY: bench-router
+bench-router: install ## Router: added latency vs a direct rank; cache_aware vs round_robin prefix-cache hit rate
+	$(BIN)/python -m berth_runtime.router.bench $(BENCH_ARGS)

@@ -51,6 +51,7 @@ def rank_pod_name(name: str, rank: int) -> str:
 
 
 def router_name(name: str) -> str:
+    """The router's Deployment, PodDisruptionBudget, ServiceAccount, Role and RoleBinding."""
     return f"{name}-router"
 
 
@@ -96,6 +97,12 @@ def rank_urls(isvc: InferenceService) -> list[str]:
     ]
 
 
+def rank_endpoints_selector(name: str) -> str:
+    """Selects the EndpointSlices of the per-rank Services (not the headless one's): the
+    EndpointSlice controller copies each Service's labels, the rank label included."""
+    return f"{c.LABEL_ISVC}={name},{c.LABEL_DP_RANK}"
+
+
 def cluster_url(isvc: InferenceService) -> str:
     """The in-cluster OpenAI base URL (the entry Service, port 80)."""
     return f"http://{entry_service_name(isvc.name)}.{isvc.namespace}.svc/v1"
@@ -111,7 +118,13 @@ def build_children(isvc: InferenceService) -> list[Manifest]:
         build_rank_pdb(isvc),
     ]
     if spec.has_router:
-        children += [build_router_deployment(isvc), build_router_pdb(isvc)]
+        children += [
+            build_router_service_account(isvc),
+            build_router_role(isvc),
+            build_router_role_binding(isvc),
+            build_router_deployment(isvc),
+            build_router_pdb(isvc),
+        ]
     children.append(build_entry_service(isvc))
     if spec.ingress is not None:
         children.append(build_ingress(isvc))
@@ -499,8 +512,10 @@ def build_rank_services(isvc: InferenceService) -> list[Manifest]:
             "apiVersion": "v1",
             "kind": "Service",
             "metadata": {
-                **_metadata(isvc, rank_service_name(isvc.name, rank), c.ROLE_RANK),
-                "annotations": {f"{c.GROUP}/dp-rank": str(rank)},
+                "name": rank_service_name(isvc.name, rank),
+                "namespace": isvc.namespace,
+                "labels": {**labels(isvc.name, c.ROLE_RANK), c.LABEL_DP_RANK: str(rank)},
+                "annotations": {c.LABEL_DP_RANK: str(rank)},
             },
             "spec": {
                 "type": "ClusterIP",
@@ -532,20 +547,65 @@ def build_rank_pdb(isvc: InferenceService) -> Manifest:
 
 
 def router_args(isvc: InferenceService) -> list[str]:
-    """`berth router` flags: the policy and the per-rank Service URLs (rank i = i-th URL)."""
+    """`berth router` flags: the policy, and where to discover the ranks.
+
+    The router follows the per-rank Services' EndpointSlices itself, so the flags do not depend
+    on the number of ranks: scaling never restarts the router (nor empties its prefix tree), and
+    a rank that is not ready leaves the router as it leaves its Service.
+    """
     spec = isvc.spec
-    args = [
+    return [
         "--host",
         "0.0.0.0",
         "--port",
         str(c.HTTP_PORT),
         "--policy",
         ROUTER_POLICY_FLAGS[spec.routing.policy],
+        "--discover-selector",
+        rank_endpoints_selector(isvc.name),
+        "--discover-namespace",
+        isvc.namespace,
+        "--discover-rank-label",
+        c.LABEL_DP_RANK,
+        "--discover-port-name",
+        "http",
     ]
-    urls = rank_urls(isvc)
-    if urls:
-        args += ["--worker-urls", *urls]
-    return args
+
+
+def build_router_service_account(isvc: InferenceService) -> Manifest:
+    """The router's own identity: it may read EndpointSlices in this namespace, nothing else."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _metadata(isvc, router_name(isvc.name), c.ROLE_ROUTER),
+        "automountServiceAccountToken": False,  # only the router pod mounts it, explicitly
+    }
+
+
+def build_router_role(isvc: InferenceService) -> Manifest:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _metadata(isvc, router_name(isvc.name), c.ROLE_ROUTER),
+        "rules": [
+            {
+                "apiGroups": ["discovery.k8s.io"],
+                "resources": ["endpointslices"],
+                "verbs": ["list", "watch"],
+            }
+        ],
+    }
+
+
+def build_router_role_binding(isvc: InferenceService) -> Manifest:
+    name = router_name(isvc.name)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _metadata(isvc, name, c.ROLE_ROUTER),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": isvc.namespace}],
+    }
 
 
 def build_router_deployment(isvc: InferenceService) -> Manifest:
@@ -560,7 +620,9 @@ def build_router_deployment(isvc: InferenceService) -> Manifest:
             }
         )
     pod: dict[str, Any] = {
-        "automountServiceAccountToken": False,
+        # The token lets the router list and watch the rank EndpointSlices (its Role).
+        "serviceAccountName": router_name(isvc.name),
+        "automountServiceAccountToken": True,
         "enableServiceLinks": False,
         "securityContext": _pod_security_context(),
         # Streams pass through the router: give them as long as the ranks give them.
@@ -579,14 +641,17 @@ def build_router_deployment(isvc: InferenceService) -> Manifest:
                     "limits": {"memory": "1Gi"},
                 },
                 "volumeMounts": [{"name": "tmp", "mountPath": c.TMP_MOUNT}],
+                # Ready once it knows the ranks and has checked them; it does not turn unready
+                # when every rank is down (it answers 503 itself, and the InferenceService's
+                # status says RanksNotReady rather than RouterNotReady).
                 "readinessProbe": {
-                    "httpGet": {"path": c.HEALTH_PATH, "port": "http"},
+                    "httpGet": {"path": c.ROUTER_READINESS_PATH, "port": "http"},
                     "periodSeconds": 5,
                     "timeoutSeconds": 5,
                     "failureThreshold": 2,
                 },
                 "livenessProbe": {
-                    "httpGet": {"path": c.HEALTH_PATH, "port": "http"},
+                    "httpGet": {"path": c.ROUTER_LIVENESS_PATH, "port": "http"},
                     "periodSeconds": 15,
                     "timeoutSeconds": 10,
                     "failureThreshold": 4,

@@ -31,6 +31,9 @@ LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
 LABEL_VERSION: Final = "app.kubernetes.io/version"
 LABEL_ISVC: Final = f"{GROUP}/inferenceservice"
 LABEL_ROLE: Final = f"{GROUP}/component"
+# On each per-rank Service (and so on its EndpointSlices, which copy the Service's labels): the
+# DP rank it fronts. `berth router` discovers the ranks by it.
+LABEL_DP_RANK: Final = f"{GROUP}/dp-rank"
 # llm-d's endpoint picker reads this to pick the metric names of the engine (sglang:*).
 LABEL_ENGINE_TYPE: Final = "llm-d.ai/engine-type"
 ENGINE_TYPE: Final = "sglang"
@@ -47,6 +50,8 @@ POD_NAME_LABEL: Final = "statefulset.kubernetes.io/pod-name"
 HTTP_PORT: Final = 8000
 SERVICE_PORT: Final = 80
 HEALTH_PATH: Final = "/health"
+ROUTER_READINESS_PATH: Final = "/readiness"
+ROUTER_LIVENESS_PATH: Final = "/liveness"
 METRICS_PATH: Final = "/metrics"
 MODELS_MOUNT: Final = "/mnt/models"
 CACHE_MOUNT: Final = "/var/cache/berth"

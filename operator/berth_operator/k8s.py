@@ -59,12 +59,24 @@ STATEFULSET = ResourceType("apps", "v1", "statefulsets", "StatefulSet")
 DEPLOYMENT = ResourceType("apps", "v1", "deployments", "Deployment")
 PDB = ResourceType("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
 INGRESS = ResourceType("networking.k8s.io", "v1", "ingresses", "Ingress")
+SERVICE_ACCOUNT = ResourceType("", "v1", "serviceaccounts", "ServiceAccount")
+ROLE = ResourceType("rbac.authorization.k8s.io", "v1", "roles", "Role")
+ROLE_BINDING = ResourceType("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding")
 INFERENCESERVICE = ResourceType(c.GROUP, c.VERSION, c.PLURAL, c.KIND)
 
 # The kinds the builders may emit. The rank StatefulSet always exists (one per InferenceService,
 # named after it), so `prune` only looks for leftovers of the kinds that come and go.
-CHILD_TYPES = (SERVICE, STATEFULSET, DEPLOYMENT, PDB, INGRESS)
-PRUNED_TYPES = (SERVICE, DEPLOYMENT, PDB, INGRESS)
+CHILD_TYPES = (
+    SERVICE,
+    STATEFULSET,
+    DEPLOYMENT,
+    PDB,
+    INGRESS,
+    SERVICE_ACCOUNT,
+    ROLE,
+    ROLE_BINDING,
+)
+PRUNED_TYPES = (SERVICE, DEPLOYMENT, PDB, INGRESS, SERVICE_ACCOUNT, ROLE, ROLE_BINDING)
 _BY_KIND = {(t.api_version, t.kind): t for t in (*CHILD_TYPES, POD, INFERENCESERVICE)}
 
 

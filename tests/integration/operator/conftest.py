@@ -32,6 +32,13 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
     "v1/events": kmock.ResourceInfo(kind="Event", namespaced=True, verbs=VERBS),
     "v1/pods": kmock.ResourceInfo(kind="Pod", namespaced=True, verbs=VERBS),
     "v1/services": kmock.ResourceInfo(kind="Service", namespaced=True, verbs=VERBS),
+    "v1/serviceaccounts": kmock.ResourceInfo(kind="ServiceAccount", namespaced=True, verbs=VERBS),
+    "rbac.authorization.k8s.io/v1/roles": kmock.ResourceInfo(
+        kind="Role", namespaced=True, verbs=VERBS
+    ),
+    "rbac.authorization.k8s.io/v1/rolebindings": kmock.ResourceInfo(
+        kind="RoleBinding", namespaced=True, verbs=VERBS
+    ),
     "apps/v1/statefulsets": kmock.ResourceInfo(
         kind="StatefulSet", namespaced=True, verbs=VERBS, subresources={"status", "scale"}
     ),

@@ -22,6 +22,19 @@ DEPLOY = "apps/v1/deployments"
 SVC = "v1/services"
 PDB = "policy/v1/poddisruptionbudgets"
 ING = "networking.k8s.io/v1/ingresses"
+SA = "v1/serviceaccounts"
+ROLE = "rbac.authorization.k8s.io/v1/roles"
+RB = "rbac.authorization.k8s.io/v1/rolebindings"
+RESOURCE_OF_KIND = {
+    "StatefulSet": STS,
+    "Deployment": DEPLOY,
+    "Service": SVC,
+    "PodDisruptionBudget": PDB,
+    "Ingress": ING,
+    "ServiceAccount": SA,
+    "Role": ROLE,
+    "RoleBinding": RB,
+}
 IMAGE = "registry.test/berth:1"
 
 
@@ -41,7 +54,12 @@ def expected_children(cluster: Cluster, name: str) -> list[dict[str, Any]]:
 
 
 def child_names(cluster: Cluster) -> dict[str, list[str]]:
-    return {r: cluster.names(r, NS) for r in (STS, DEPLOY, SVC, PDB, ING)}
+    return {r: cluster.names(r, NS) for r in (STS, DEPLOY, SVC, PDB, ING, SA, ROLE, RB)}
+
+
+def content(obj: dict[str, Any]) -> dict[str, Any]:
+    """What an object says besides its identity: spec, or rules / roleRef / subjects."""
+    return {k: v for k, v in obj.items() if k not in ("apiVersion", "kind", "metadata", "status")}
 
 
 def reason(cluster: Cluster, name: str, type_: str = "Ready") -> str | None:
@@ -87,16 +105,14 @@ async def test_create_applies_every_child_and_reports_status_from_them(
 
     expected = await eventually(lambda: expected_children(cluster, "chat"))
     for child in expected:
-        resource = {"StatefulSet": STS, "Deployment": DEPLOY, "Service": SVC}.get(
-            child["kind"], PDB
-        )
+        resource = RESOURCE_OF_KIND[child["kind"]]
         stored = await eventually(
             lambda child=child, resource=resource: cluster.get(
                 resource, NS, child["metadata"]["name"]
             ),
             what=f"{child['kind']} {child['metadata']['name']}",
         )
-        assert stored["spec"] == child["spec"]
+        assert content(stored) == content(child)
         assert stored["metadata"]["ownerReferences"][0]["uid"] == "uid-inferenceservice-chat"
     assert child_names(cluster) == {
         STS: ["chat"],
@@ -104,6 +120,9 @@ async def test_create_applies_every_child_and_reports_status_from_them(
         SVC: ["chat", "chat-rank-0", "chat-rank-1", "chat-ranks"],
         PDB: ["chat", "chat-router"],
         ING: [],
+        SA: ["chat-router"],
+        ROLE: ["chat-router"],
+        RB: ["chat-router"],
     }
 
     # Applied is not ready: nothing runs yet.
@@ -210,6 +229,9 @@ async def test_spec_update_rolls_the_ranks_and_prunes_what_is_gone(
                 SVC: ["chat", "chat-rank-0", "chat-ranks"],
                 PDB: ["chat"],
                 ING: [],
+                SA: [],
+                ROLE: [],
+                RB: [],
             }
         ),
         what="pruned children",
@@ -269,7 +291,16 @@ async def test_invalid_spec_creates_nothing_and_says_what_to_fix(
     assert event["type"] == "Warning"
     assert event["involvedObject"]["name"] == "broken"
     assert "spec.replicas" in event["message"]
-    assert child_names(cluster) == {STS: [], DEPLOY: [], SVC: [], PDB: [], ING: []}
+    assert child_names(cluster) == {
+        STS: [],
+        DEPLOY: [],
+        SVC: [],
+        PDB: [],
+        ING: [],
+        SA: [],
+        ROLE: [],
+        RB: [],
+    }
 
     # Fixing the spec brings the service up: the operator did not give up on the resource.
     await cluster.update_spec(NS, "broken", {"replicas": 1, "model": {"uri": None}})

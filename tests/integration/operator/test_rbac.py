@@ -22,8 +22,13 @@ from .test_operator_kmock import NS, STS, isvc, mark_ready, reason
 Rule = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
 
 # Authorized but never sent as a request: setting ownerReferences with blockOwnerDeletion
-# requires `update` on the owner's finalizers subresource (OwnerReferencesPermissionEnforcement).
-AUTHORIZATION_ONLY = {(c.GROUP, f"{c.PLURAL}/finalizers", "update")}
+# requires `update` on the owner's finalizers subresource (OwnerReferencesPermissionEnforcement),
+# and creating the router's Role requires holding what it grants (RBAC escalation prevention).
+AUTHORIZATION_ONLY = {
+    (c.GROUP, f"{c.PLURAL}/finalizers", "update"),
+    ("discovery.k8s.io", "endpointslices", "list"),
+    ("discovery.k8s.io", "endpointslices", "watch"),
+}
 
 
 def role_rules() -> set[Rule]:
@@ -117,3 +122,10 @@ def test_role_covers_every_kind_the_builders_emit() -> None:
         for ref in child["metadata"]["ownerReferences"]
     ):
         assert granted >= AUTHORIZATION_ONLY
+    # The operator may only create Roles whose every permission it holds itself.
+    for role in (child for child in children if child["kind"] == "Role"):
+        for rule in role["rules"]:
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    for verb in rule["verbs"]:
+                        assert (group, resource, verb) in granted, (role["metadata"], verb)

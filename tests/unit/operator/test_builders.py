@@ -10,6 +10,9 @@ import pytest
 from berth_operator import builders
 from berth_operator import constants as c
 from berth_operator.spec import InferenceService
+from berth_runtime.router.args import RouterArgs
+from berth_runtime.router.discovery import parse_selector, selector_matches
+from berth_runtime.router.server import build_parser as build_router_parser
 from berth_runtime.server_args import ServerArgs
 
 from .factories import FULL_SPEC, K8S_VERSIONS, SPEC_MATRIX, parse, validate_strict
@@ -63,6 +66,9 @@ def test_children_of_the_full_spec() -> None:
         ("Service", "chat-rank-1"),
         ("Service", "chat-rank-2"),
         ("PodDisruptionBudget", "chat"),
+        ("ServiceAccount", "chat-router"),
+        ("Role", "chat-router"),
+        ("RoleBinding", "chat-router"),
         ("Deployment", "chat-router"),
         ("PodDisruptionBudget", "chat-router"),
         ("Service", "chat"),
@@ -243,7 +249,10 @@ def test_pods_are_non_root_with_a_read_only_root_filesystem() -> None:
         pod = child["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["runAsUser"] == c.RUN_AS_UID
-        assert pod["automountServiceAccountToken"] is False
+        # Only the router talks to the API server (discovery), with its own account.
+        is_router = child["kind"] == "Deployment"
+        assert pod["automountServiceAccountToken"] is is_router
+        assert pod.get("serviceAccountName") == ("chat-router" if is_router else None)
         for container in [*pod.get("initContainers", []), *pod["containers"]]:
             sc = container["securityContext"]
             assert sc["readOnlyRootFilesystem"] is True
@@ -364,6 +373,7 @@ def test_each_rank_service_selects_exactly_its_pod() -> None:
         assert service["spec"]["selector"][c.POD_NAME_LABEL] == f"chat-{rank}"
         assert service["spec"]["ports"][0]["port"] == c.HTTP_PORT
         assert service["metadata"]["annotations"][f"{c.GROUP}/dp-rank"] == str(rank)
+        assert service["metadata"]["labels"][c.LABEL_DP_RANK] == str(rank)
 
 
 def test_headless_service_publishes_not_ready_ranks() -> None:
@@ -372,30 +382,76 @@ def test_headless_service_publishes_not_ready_ranks() -> None:
     assert svc["spec"]["publishNotReadyAddresses"] is True
 
 
-def test_router_gets_the_policy_and_every_rank_url_in_rank_order() -> None:
-    isvc = parse({"replicas": 3, "routing": {"policy": "roundRobin", "routerReplicas": 2}})
-    dep = builders.build_router_deployment(isvc)
-    assert dep["spec"]["replicas"] == 2
+def router_args_of(dep: dict[str, Any]) -> RouterArgs:
+    """The rendered `berth router` flags, parsed by the router's own parser."""
     container = dep["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["berth"]
     args = container["args"]
     assert args[:1] == ["router"]
-    assert args[args.index("--policy") + 1] == "round_robin"
-    assert args[args.index("--port") + 1] == "8000"
-    start = args.index("--worker-urls") + 1
-    assert args[start:] == [
-        "http://chat-rank-0.team-a.svc:8000",
-        "http://chat-rank-1.team-a.svc:8000",
-        "http://chat-rank-2.team-a.svc:8000",
-    ]
+    return RouterArgs.from_cli_args(build_router_parser().parse_args(args[1:]))
+
+
+def test_router_gets_the_policy_and_discovers_exactly_the_rank_services() -> None:
+    isvc = parse({"replicas": 3, "routing": {"policy": "roundRobin", "routerReplicas": 2}})
+    dep = builders.build_router_deployment(isvc)
+    assert dep["spec"]["replicas"] == 2
+    args = router_args_of(dep)
+    assert args.policy == "round_robin"
+    assert args.port == c.HTTP_PORT and args.host == "0.0.0.0"
+    assert args.worker_urls == ()
+    assert args.discover_namespace == "team-a"
+    assert args.discover_rank_label == c.LABEL_DP_RANK
+    # EndpointSlices carry their Service's labels: the selector must pick the per-rank Services
+    # (and read their rank) but not the headless one, nor another InferenceService's.
+    terms = parse_selector(args.discover_selector or "")
+    ranks = builders.build_rank_services(isvc)
+    assert all(selector_matches(terms, s["metadata"]["labels"]) for s in ranks)
+    assert [int(s["metadata"]["labels"][args.discover_rank_label]) for s in ranks] == [0, 1, 2]
+    assert args.discover_port_name == ranks[0]["spec"]["ports"][0]["name"]
+    headless = builders.build_headless_service(isvc)
+    assert not selector_matches(terms, headless["metadata"]["labels"])
+    other = builders.build_rank_services(parse({"replicas": 1}, name="other"))[0]
+    assert not selector_matches(terms, other["metadata"]["labels"])
     selector = dep["spec"]["selector"]["matchLabels"]
     assert selector.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     assert selector[c.LABEL_ROLE] == "router"
+    probes = dep["spec"]["template"]["spec"]["containers"][0]
+    assert probes["readinessProbe"]["httpGet"]["path"] == "/readiness"
+    assert probes["livenessProbe"]["httpGet"]["path"] == "/liveness"
 
 
-def test_router_with_no_ranks_gets_no_worker_urls() -> None:
-    args = builders.router_args(parse({"replicas": 0}))
-    assert "--worker-urls" not in args
+def test_scaling_does_not_change_the_router_so_it_is_not_restarted() -> None:
+    one_rank = builders.build_router_deployment(parse({"replicas": 1}))
+    five_ranks = builders.build_router_deployment(parse({"replicas": 5}))
+    assert one_rank == five_ranks
+    assert builders.build_router_deployment(parse({"replicas": 0})) == one_rank
+
+
+def test_router_account_may_only_list_and_watch_endpoint_slices() -> None:
+    children = builders.build_children(parse({}))
+    account = one(children, "ServiceAccount", "chat-router")
+    assert account["automountServiceAccountToken"] is False  # the router pod opts in
+    role = one(children, "Role", "chat-router")
+    assert role["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["list", "watch"],
+        }
+    ]
+    binding = one(children, "RoleBinding", "chat-router")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": "chat-router",
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "chat-router", "namespace": "team-a"}
+    ]
+    pod = one(children, "Deployment", "chat-router")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == account["metadata"]["name"]
+    without = builders.build_children(parse({"routing": {"routerReplicas": 0}}))
+    assert not {"ServiceAccount", "Role", "RoleBinding"} & {o["kind"] for o in without}
 
 
 def test_entry_service_points_at_the_router_or_at_the_ranks_without_one() -> None:

@@ -1,0 +1,331 @@
+"""`berth router`: the FastAPI app in front of the DP ranks, and its uvicorn entry point."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import logging
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from berth_runtime import __version__
+from berth_runtime.errors import RequestError, error_body
+from berth_runtime.router.args import RouterArgs
+from berth_runtime.router.discovery import DiscoveryError, EndpointSliceDiscovery, KubeConfig
+from berth_runtime.router.metrics import RouterMetrics
+from berth_runtime.router.policies import make_policy
+from berth_runtime.router.proxy import ProxyResponse, Router
+from berth_runtime.router.signals import SignalError, read_signals
+from berth_runtime.router.workers import WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+# Probes and scrapers need no API key.
+OPEN_PATHS = frozenset({"/health", "/liveness", "/readiness", "/metrics"})
+FANOUT_TIMEOUT_S = 10.0
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI (keeps disconnect detection intact): Bearer key on every non-open path."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                body = error_body("invalid or missing API key", "AuthenticationError", 401)
+                response = JSONResponse(
+                    body, status_code=401, headers={"WWW-Authenticate": "Bearer"}
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _error(err: RequestError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers or None)
+
+
+def create_app(args: RouterArgs, kube: KubeConfig | None = None) -> Any:
+    """The router's ASGI app; `kube` is required with --discover-selector."""
+    metrics = RouterMetrics()
+    policy = make_policy(
+        args.policy,
+        cache_threshold=args.cache_threshold,
+        balance_abs_threshold=args.balance_abs_threshold,
+        balance_rel_threshold=args.balance_rel_threshold,
+        max_tree_chars=args.max_tree_chars,
+    )
+    registry = WorkerRegistry(
+        args, metrics, poll_load=policy.uses_load, on_rank_reset=policy.forget_rank
+    )
+    router = Router(args, registry, policy, metrics)
+    if args.discovery and kube is None:
+        raise ValueError("--discover-selector needs a Kubernetes API configuration")
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        tasks: list[asyncio.Task[None]] = []
+        discovery = None
+        registry.start()
+        if kube is not None and args.discover_selector is not None:
+            discovery = EndpointSliceDiscovery(
+                kube,
+                args.discover_selector,
+                args.discover_rank_label,
+                args.discover_port_name,
+                registry.update,
+            )
+            tasks.append(asyncio.create_task(discovery.run(), name="router-discovery"))
+            tasks.append(asyncio.create_task(registry.initial_checks(), name="router-initial"))
+            logger.info(
+                "Discovering ranks in namespace %s with selector %s",
+                kube.namespace,
+                args.discover_selector,
+            )
+        else:
+            registry.set_static(args.worker_urls)
+            # Check every rank once before taking traffic, so the first requests find them.
+            await registry.initial_checks()
+        logger.info("Routing with policy %s on http://%s:%d", policy.name, args.host, args.port)
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            await router.close()
+            await registry.close()
+            if discovery is not None:
+                await discovery.close()
+
+    app = FastAPI(title="Berth router", version=__version__, lifespan=lifespan)
+    app.state.router = router
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return _error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = "no such route" if exc.status_code == 404 else str(exc.detail)
+        return _error(RequestError(message, exc.status_code))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("Router error")
+        return _error(RequestError(f"router error: {type(exc).__name__}: {exc}", 500))
+
+    # --- the router's own endpoints -------------------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> Response:
+        routable = registry.routable()
+        body = {
+            "status": "ok" if routable else "unavailable",
+            "healthy_ranks": [w.rank for w in routable],
+            "ranks": registry.ranks(),
+        }
+        if not routable:
+            body["reason"] = "no rank is known yet" if not registry.workers else "no healthy rank"
+        return JSONResponse(body, status_code=200 if routable else 503)
+
+    @app.get("/liveness")
+    async def liveness() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/readiness")
+    async def readiness() -> Response:
+        if registry.synced.is_set() and registry.checked.is_set():
+            return JSONResponse({"status": "ok"})
+        phase = "discovering ranks" if not registry.synced.is_set() else "checking ranks"
+        return JSONResponse({"status": "starting", "reason": phase}, status_code=503)
+
+    @app.get("/workers")
+    async def workers() -> Response:
+        return JSONResponse({"policy": policy.name, "workers": registry.describe()})
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # --- proxied -------------------------------------------------------------------------------
+
+    async def generation(request: Request, endpoint: str) -> Response:
+        body = await request.body()
+        try:
+            signals = read_signals(request.url.path, body, request.headers)
+        except SignalError as e:
+            metrics.requests.labels("none", endpoint, "400").inc()
+            return _error(RequestError(e.message, 400, param=e.param))
+        return ProxyResponse(
+            router,
+            method=request.method,
+            path=request.url.path,
+            query=request.url.query,
+            headers=request.headers.raw,
+            body=body,
+            signals=signals,
+            endpoint=endpoint,
+        )
+
+    async def anywhere(request: Request, endpoint: str) -> Response:
+        return ProxyResponse(
+            router,
+            method=request.method,
+            path=request.url.path,
+            query=request.url.query,
+            headers=request.headers.raw,
+            body=await request.body(),
+            signals=None,
+            endpoint=endpoint,
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generation(request, "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generation(request, "/v1/completions")
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await generation(request, "/generate")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await anywhere(request, "/v1/models")
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str) -> Response:
+        return await anywhere(request, "/v1/models/{model}")
+
+    @app.get("/get_model_info")
+    async def model_info(request: Request) -> Response:
+        return await anywhere(request, "/get_model_info")
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        """The router does not know which rank holds a rid: ask every rank."""
+        results = await _fanout(router, request, "/abort_request")
+        found = any(status == 200 for status, _ in results.values())
+        return JSONResponse({"success": found}, status_code=200 if found else 404)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(request: Request) -> Response:
+        """Flush every rank's prefix cache; the router forgets what it thought they held."""
+        results = await _fanout(router, request, "/flush_cache")
+        ok = bool(results) and all(status == 200 for status, _ in results.values())
+        if ok:
+            policy.reset()
+        ranks = {str(rank): body for rank, (_, body) in sorted(results.items())}
+        return JSONResponse({"success": ok, "ranks": ranks}, status_code=200 if ok else 400)
+
+    asgi: Any = app
+    if args.api_key:
+        asgi = ApiKeyMiddleware(asgi, args.api_key)
+    return asgi
+
+
+async def _fanout(router: Router, request: Request, path: str) -> dict[int, tuple[int, Any]]:
+    """Send the same request to every healthy rank; {rank: (status, JSON body or text)}."""
+    body = await request.body()
+    headers = {
+        k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")
+    }
+
+    async def one(url: str) -> tuple[int, Any]:
+        try:
+            response = await router.client.request(
+                request.method,
+                f"{url}{path}",
+                content=body,
+                headers=headers,
+                timeout=FANOUT_TIMEOUT_S,
+            )
+        except httpx.HTTPError as e:
+            return 502, {"error": f"{type(e).__name__}: {e}"}
+        try:
+            return response.status_code, response.json()
+        except ValueError:
+            return response.status_code, response.text
+
+    workers = [w for w in router.registry.routable() if w.url is not None]
+    results = await asyncio.gather(*(one(w.url) for w in workers if w.url))
+    return {w.rank: result for w, result in zip(workers, results)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="berth router",
+        description="Route OpenAI-compatible requests over Berth's data-parallel ranks "
+        "(prefix-cache aware), with health checks, retries, pinning and streaming.",
+    )
+    RouterArgs.add_cli_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`berth router ...`: parse the flags, then serve until SIGTERM / SIGINT."""
+    parser = build_parser()
+    ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        args = RouterArgs.from_cli_args(ns)
+    except ValueError as e:
+        parser.error(str(e))
+    if not args.worker_urls and not args.discovery:
+        parser.error("give the ranks: --worker-urls URL ... or --discover-selector SELECTOR")
+    kube = None
+    if args.discovery:
+        try:
+            kube = KubeConfig.from_environment(args.kube_api_url, args.discover_namespace)
+        except DiscoveryError as e:
+            parser.error(str(e))
+    return run_router(args, kube)
+
+
+def run_router(args: RouterArgs, kube: KubeConfig | None = None) -> int:
+    from berth_runtime.utils.logging import configure_logging
+    from berth_runtime.utils.process import set_process_title
+
+    configure_logging(args.log_level, "router")
+    set_process_title("router")
+    app = create_app(args, kube)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        # SIGTERM: stop accepting, let streams in flight finish for this long.
+        timeout_graceful_shutdown=int(args.graceful_shutdown_timeout),
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    if not server.started:
+        return 1  # e.g. the port was taken
+    logger.info("Router stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
