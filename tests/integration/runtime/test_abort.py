@@ -36,7 +36,7 @@ def test_stream_disconnect_aborts(server, http: httpx.Client):
         lines = resp.iter_lines()
         for _ in range(5):
             next(lines)
-        assert running(http) == 1
+        wait_for(lambda: running(http) == 1, 10, what="the stream to be running")  # heartbeat lag
     # The connection is closed: the scheduler must drop the request quickly.
     wait_for(lambda: idle(http), 10, what="the disconnected request to be aborted")
 
