@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 import uuid
@@ -24,11 +23,12 @@ from berth_runtime.entrypoints.protocol import (
     CompletionRequest,
     validation_error,
 )
-from berth_runtime.errors import RequestError, error_body
+from berth_runtime.errors import RequestError
 from berth_runtime.io_struct import GenerateReqInput
 from berth_runtime.metrics import HttpMetricsMiddleware, MetricsCollector
 from berth_runtime.sampling_params import SamplingParams
 from berth_runtime.server_args import ServerArgs
+from berth_runtime.utils.auth import ApiKeyMiddleware
 
 # Endpoints that stay open without an API key (probes and scrapers).
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -63,27 +63,6 @@ class ServerState:
         if self.tokenizer_manager is None:
             raise RequestError(f"the server is {self.phase}", HTTPStatus.SERVICE_UNAVAILABLE)
         return self.tokenizer_manager
-
-
-class ApiKeyMiddleware:
-    """Pure ASGI (keeps `request.is_disconnected()` working): Bearer key on every non-open path."""
-
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            headers = dict(scope.get("headers") or [])
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                body = error_body("invalid or missing API key", "AuthenticationError", 401)
-                response = JSONResponse(
-                    body, status_code=401, headers={"WWW-Authenticate": "Bearer"}
-                )
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 class RankHeaderMiddleware:
@@ -280,7 +259,7 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
     if state.args.dp_rank is not None:
         asgi = RankHeaderMiddleware(asgi, state.args.dp_rank)
     if state.args.api_key:
-        asgi = ApiKeyMiddleware(asgi, state.args.api_key)
+        asgi = ApiKeyMiddleware(asgi, state.args.api_key, OPEN_PATHS)
     # Outermost, so that rejected (401) requests are counted too.
     return HttpMetricsMiddleware(asgi, state.metrics)
 

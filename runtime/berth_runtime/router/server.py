@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import logging
 import sys
 from collections.abc import AsyncIterator
@@ -20,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from berth_runtime import __version__
-from berth_runtime.errors import RequestError, error_body
+from berth_runtime.errors import RequestError
 from berth_runtime.router.args import RouterArgs
 from berth_runtime.router.discovery import DiscoveryError, EndpointSliceDiscovery, KubeConfig
 from berth_runtime.router.metrics import RouterMetrics
@@ -28,32 +27,13 @@ from berth_runtime.router.policies import make_policy
 from berth_runtime.router.proxy import ProxyResponse, Router
 from berth_runtime.router.signals import SignalError, read_signals
 from berth_runtime.router.workers import WorkerRegistry
+from berth_runtime.utils.auth import ApiKeyMiddleware
 
 logger = logging.getLogger(__name__)
 
 # Probes and scrapers need no API key.
 OPEN_PATHS = frozenset({"/health", "/liveness", "/readiness", "/metrics"})
 FANOUT_TIMEOUT_S = 10.0
-
-
-class ApiKeyMiddleware:
-    """Pure ASGI (keeps disconnect detection intact): Bearer key on every non-open path."""
-
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                body = error_body("invalid or missing API key", "AuthenticationError", 401)
-                response = JSONResponse(
-                    body, status_code=401, headers={"WWW-Authenticate": "Bearer"}
-                )
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def _error(err: RequestError) -> JSONResponse:
@@ -240,7 +220,7 @@ def create_app(args: RouterArgs, kube: KubeConfig | None = None) -> Any:
 
     asgi: Any = app
     if args.api_key:
-        asgi = ApiKeyMiddleware(asgi, args.api_key)
+        asgi = ApiKeyMiddleware(asgi, args.api_key, OPEN_PATHS)
     return asgi
 
 
