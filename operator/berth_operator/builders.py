@@ -7,6 +7,7 @@ render` prints exactly what the operator applies, and a second reconcile is a no
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from berth_operator import constants as c
@@ -90,10 +91,32 @@ def service_url(isvc: InferenceService, service: str, port: int) -> str:
     return f"http://{service}.{isvc.namespace}.svc:{port}"
 
 
-def rank_urls(isvc: InferenceService) -> list[str]:
+@dataclass(frozen=True)
+class RankPlan:
+    """How many rank pods run, and which of them the router must not send requests to.
+
+    A withdrawn rank keeps its pod but loses its per-rank Service, so the router (which follows
+    those Services' EndpointSlices) stops routing to it at once: a rank being drained before a
+    scale-down, or one whose scheduler has stalled.
+    """
+
+    pods: int
+    withdrawn: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, isvc: InferenceService) -> RankPlan:
+        """The plan the spec alone implies: every rank it asks for, all of them routable."""
+        return cls(isvc.spec.ranks)
+
+    @property
+    def routable(self) -> list[int]:
+        return [rank for rank in range(self.pods) if rank not in self.withdrawn]
+
+
+def rank_urls(isvc: InferenceService, plan: RankPlan | None = None) -> list[str]:
+    plan = plan or RankPlan.of(isvc)
     return [
-        service_url(isvc, rank_service_name(isvc.name, rank), c.HTTP_PORT)
-        for rank in range(isvc.spec.ranks)
+        service_url(isvc, rank_service_name(isvc.name, rank), c.HTTP_PORT) for rank in plan.routable
     ]
 
 
@@ -108,13 +131,18 @@ def cluster_url(isvc: InferenceService) -> str:
     return f"http://{entry_service_name(isvc.name)}.{isvc.namespace}.svc/v1"
 
 
-def build_children(isvc: InferenceService) -> list[Manifest]:
-    """Every child of one InferenceService, in apply order (workloads before their pointers)."""
+def build_children(isvc: InferenceService, plan: RankPlan | None = None) -> list[Manifest]:
+    """Every child of one InferenceService, in apply order (workloads before their pointers).
+
+    `plan` overrides the spec's rank count and withdraws ranks from routing (the autoscaler's and
+    the health checks' decisions); without it, the spec alone decides.
+    """
     spec = isvc.spec
+    plan = plan or RankPlan.of(isvc)
     children = [
         build_headless_service(isvc),
-        build_rank_statefulset(isvc),
-        *build_rank_services(isvc),
+        build_rank_statefulset(isvc, plan),
+        *build_rank_services(isvc, plan),
         build_rank_pdb(isvc),
     ]
     if spec.has_router:
@@ -153,16 +181,16 @@ def _metadata(isvc: InferenceService, name: str, role: str | None) -> dict[str, 
 # --- ranks -------------------------------------------------------------------------------------
 
 
-def build_rank_statefulset(isvc: InferenceService) -> Manifest:
+def build_rank_statefulset(isvc: InferenceService, plan: RankPlan | None = None) -> Manifest:
     """One pod per DP rank; the ordinal is the rank, and a rank never surges onto a second GPU."""
-    spec = isvc.spec
+    plan = plan or RankPlan.of(isvc)
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": _metadata(isvc, rank_statefulset_name(isvc.name), c.ROLE_RANK),
         "spec": {
             "serviceName": headless_service_name(isvc.name),
-            "replicas": spec.ranks,
+            "replicas": plan.pods,
             # Ranks load in parallel; rolling updates still replace one rank at a time.
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate"},
@@ -505,8 +533,9 @@ def build_headless_service(isvc: InferenceService) -> Manifest:
     }
 
 
-def build_rank_services(isvc: InferenceService) -> list[Manifest]:
-    """One Service per rank: its endpoint exists only while that rank is ready."""
+def build_rank_services(isvc: InferenceService, plan: RankPlan | None = None) -> list[Manifest]:
+    """One Service per routable rank: its endpoint exists only while that rank is ready."""
+    plan = plan or RankPlan.of(isvc)
     return [
         {
             "apiVersion": "v1",
@@ -526,7 +555,7 @@ def build_rank_services(isvc: InferenceService) -> list[Manifest]:
                 "ports": [_http_port(c.HTTP_PORT)],
             },
         }
-        for rank in range(isvc.spec.ranks)
+        for rank in plan.routable
     ]
 
 

@@ -65,6 +65,21 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Local development: standalone, verbose, against the current kubeconfig context",
     )
+    run_p.add_argument(
+        "--observe-interval",
+        type=_positive_float,
+        default=c.OBSERVE_INTERVAL_SECONDS,
+        metavar="SECONDS",
+        help="How often each InferenceService's ranks' /metrics are scraped for status, "
+        f"health and autoscaling (default: {c.OBSERVE_INTERVAL_SECONDS:g})",
+    )
+    run_p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="Serve the operator's own Prometheus metrics at :PORT/metrics (default: off)",
+    )
     run_p.add_argument("--verbose", action="store_true", help="Log more")
     run_p.add_argument("--debug", action="store_true", help="Log everything, kopf's internals too")
     _image_arg(run_p)
@@ -89,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _image_arg(render_p)
     return parser
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, not {text}")
+    return value
 
 
 def _image_arg(parser: argparse.ArgumentParser) -> None:
@@ -147,7 +169,10 @@ def _load(path: str) -> list[Any]:
 def run(args: argparse.Namespace) -> int:
     import kopf
 
-    from berth_operator import handlers  # noqa: F401  (registers the handlers)
+    from berth_operator import (
+        handlers,  # noqa: F401  (registers the handlers)
+        metrics,
+    )
 
     verbose = args.verbose or args.dev
     kopf.configure(verbose=verbose, debug=args.debug)
@@ -156,12 +181,14 @@ def run(args: argparse.Namespace) -> int:
     if namespaces and not any(ch in ns for ns in namespaces for ch in "*?[!"):
         # Exact namespaces need no namespace discovery (and no RBAC on namespaces).
         settings.scanning.disabled = True
+    if args.metrics_port is not None:
+        metrics.serve(args.metrics_port)
     kopf.run(
         settings=settings,
         standalone=args.standalone or args.dev,
         clusterwide=not namespaces,
         namespaces=namespaces,
         liveness_endpoint=args.liveness,
-        memo=kopf.Memo(default_image=args.runtime_image),
+        memo=kopf.Memo(default_image=args.runtime_image, observe_interval=args.observe_interval),
     )
     return 0

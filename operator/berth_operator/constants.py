@@ -61,5 +61,8 @@ SHM_MOUNT: Final = "/dev/shm"
 # The images' non-root user (see the Dockerfile).
 RUN_AS_UID: Final = 10001
 
+# How often each InferenceService's ranks are scraped (`berth operator run --observe-interval`).
+OBSERVE_INTERVAL_SECONDS: Final = 5.0
+
 ENV_API_KEY: Final = "BERTH_API_KEY"
 ENV_DP_RANK: Final = "BERTH_DP_RANK"

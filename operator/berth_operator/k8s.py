@@ -205,16 +205,22 @@ class Kube:
             )
         ]
 
-    async def delete(self, rtype: ResourceType, namespace: str, name: str) -> None:
+    async def delete(
+        self, rtype: ResourceType, namespace: str, name: str, *, uid: str | None = None
+    ) -> None:
+        """Delete `name` (gone already is fine); with `uid`, only that very object, not a
+        successor of the same name (a StatefulSet pod recreated meanwhile)."""
+        body = {"preconditions": {"uid": uid}} if uid else None
         try:
             await asyncio.to_thread(
                 self._call,
                 "DELETE",
                 rtype.path(namespace, name),
                 [("propagationPolicy", "Background")],
+                body,
             )
         except ApiError as e:
-            if e.status != 404:
+            if e.status not in (404, 409):  # 409: the precondition failed, a successor lives
                 raise
 
     async def patch_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:

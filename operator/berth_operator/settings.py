@@ -21,7 +21,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         memo.kube = Kube.from_environment()
     if getattr(memo, "default_image", None) is None:
         memo.default_image = c.DEFAULT_RUNTIME_IMAGE
-    memo.refreshes = {}
+    if getattr(memo, "observe_interval", None) is None:
+        memo.observe_interval = c.OBSERVE_INTERVAL_SECONDS
+    memo.services = {}
 
 
 def apply_settings(settings: kopf.OperatorSettings) -> None:

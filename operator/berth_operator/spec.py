@@ -159,6 +159,15 @@ class AutoscalingSpec:
 
 
 @dataclass(frozen=True)
+class HealthSpec:
+    """When a rank counts as stalled, and what the operator does about it."""
+
+    stall_timeout_seconds: int = 30
+    restart_after_seconds: int = 120  # 0: withdraw a stalled rank, never restart it
+    imbalance_window_seconds: int = 60
+
+
+@dataclass(frozen=True)
 class RoutingSpec:
     policy: str = "cacheAware"
     router_replicas: int = 1
@@ -192,6 +201,7 @@ class InferenceServiceSpec:
     tensor_parallel: int = 1
     replicas: int = 1
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+    health: HealthSpec = field(default_factory=HealthSpec)
     routing: RoutingSpec = field(default_factory=RoutingSpec)
     ingress: IngressSpec | None = None
     api_key: SecretKeyRef | None = None
@@ -290,6 +300,7 @@ def _parse_spec(root: _Fields, default_image: str) -> InferenceServiceSpec:
     parallelism.reject_unknown()
     replicas = root.integer("replicas", 1, minimum=0, maximum=MAX_REPLICAS)
     autoscaling = _parse_autoscaling(root.obj("autoscaling"))
+    health = _parse_health(root.obj("health"))
     routing = _parse_routing(root.obj("routing"))
     ingress = _parse_ingress(root.obj("ingress")) if root.has("ingress") else None
     api_key = _parse_secret_ref(root, "apiKeySecretRef", default_key="api-key")
@@ -325,6 +336,7 @@ def _parse_spec(root: _Fields, default_image: str) -> InferenceServiceSpec:
         tensor_parallel=tensor,
         replicas=replicas,
         autoscaling=autoscaling,
+        health=health,
         routing=routing,
         ingress=ingress,
         api_key=api_key,
@@ -502,6 +514,16 @@ def _parse_autoscaling(f: _Fields) -> AutoscalingSpec:
             "scaleUpStabilizationSeconds", 30, minimum=0, maximum=3600
         ),
         scale_down_delay_seconds=f.integer("scaleDownDelaySeconds", 300, minimum=0, maximum=86400),
+    )
+    f.reject_unknown()
+    return parsed
+
+
+def _parse_health(f: _Fields) -> HealthSpec:
+    parsed = HealthSpec(
+        stall_timeout_seconds=f.integer("stallTimeoutSeconds", 30, minimum=1, maximum=3600),
+        restart_after_seconds=f.integer("restartAfterSeconds", 120, minimum=0, maximum=86400),
+        imbalance_window_seconds=f.integer("imbalanceWindowSeconds", 60, minimum=1, maximum=3600),
     )
     f.reject_unknown()
     return parsed

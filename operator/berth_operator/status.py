@@ -42,6 +42,8 @@ FAILING_WAITING_REASONS = frozenset(
     }
 )
 MAX_MESSAGE_LENGTH = 1024
+RFC3339 = "%Y-%m-%dT%H:%M:%SZ"
+LAST_SCRAPE_REFRESH_SECONDS = 30
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,20 @@ class Observed:
     router: Mapping[str, Any] | None = None
     ingress: Mapping[str, Any] | None = None
     pods: Sequence[Mapping[str, Any]] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class Live:
+    """What the ranks' own metrics say (from the operator's last scrape), for the status."""
+
+    desired: int
+    ranks: Sequence[Mapping[str, Any]] = ()
+    queued: int = 0
+    running: int = 0
+    kv_usage: float | None = None  # the fullest rank's, 0-1
+    stalled: Mapping[int, str] = field(default_factory=dict)  # rank -> what is wrong
+    imbalance: str | None = None
+    autoscaler: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -77,7 +93,7 @@ class Rollout:
 
 
 def now_rfc3339() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime(RFC3339)
 
 
 def rollout(workload: Mapping[str, Any] | None, desired: int) -> Rollout:
@@ -186,12 +202,22 @@ def compute(
     *,
     generation: int | None,
     now: str,
+    plan: builders.RankPlan | None = None,
+    live: Live | None = None,
 ) -> dict[str, Any]:
-    """The whole status of a valid InferenceService whose children are `observed`."""
+    """The whole status of a valid InferenceService whose children are `observed`.
+
+    `plan` is what was applied (the spec's ranks unless the autoscaler or the health checks
+    changed them); `live` is what the ranks' metrics said at the last scrape (None: no scrape
+    yet, and the live fields are left as they are). A field whose value is None is one to
+    remove (`publish` sends it as null in the merge patch).
+    """
     previous = previous or {}
     old_conditions = previous.get("conditions") or []
     spec = isvc.spec
-    ranks = rollout(observed.statefulset, spec.ranks)
+    plan = plan or builders.RankPlan.of(isvc)
+    desired = live.desired if live is not None else plan.pods
+    ranks = rollout(observed.statefulset, plan.pods)
     router = rollout(observed.router, spec.routing.router_replicas) if spec.has_router else None
     problems = pod_problems(observed.pods)
     url = builders.ingress_url(isvc, _load_balancer_address(observed.ingress))
@@ -207,11 +233,13 @@ def compute(
             now=now,
         )
 
-    rank_text = f"{ranks.ready}/{ranks.desired} ranks ready"
+    # A rank being drained is ready but no longer counts: at most every desired rank is ready.
+    ready_ranks = min(ranks.ready, desired)
+    rank_text = f"{ready_ranks}/{desired} ranks ready"
     router_text = f"router {router.ready}/{router.desired} ready" if router else "no router"
     summary = f"{rank_text}; {router_text}"
 
-    if spec.ranks == 0:
+    if plan.pods == 0:
         ready = cond(READY, False, "NoRanks", "spec.replicas is 0: no rank serves requests")
     elif observed.statefulset is None:
         ready = cond(READY, False, "RanksNotReady", "the rank StatefulSet does not exist yet")
@@ -230,19 +258,30 @@ def compute(
         progressing = cond(PROGRESSING, False, "Complete", summary)
     elif observed.statefulset is None or (ranks.current == 0 and ranks.desired > 0):
         progressing = cond(PROGRESSING, True, "Creating", summary)
-    elif not ranks.observed or not ranks.revision_settled or ranks.updated < ranks.desired:
-        progressing = cond(PROGRESSING, True, "RollingUpdate", summary)
-    elif ranks.current != ranks.desired:
+    elif ranks.observed and ranks.revision_settled and ranks.current != ranks.desired:
         progressing = cond(
             PROGRESSING, True, "Scaling", f"{ranks.current} -> {ranks.desired} ranks"
         )
+    elif not ranks.observed or not ranks.revision_settled or ranks.updated < ranks.desired:
+        progressing = cond(PROGRESSING, True, "RollingUpdate", summary)
     else:
         progressing = cond(PROGRESSING, True, "Starting", summary)
 
+    stalled = list(live.stalled.values()) if live else []
+    imbalance = live.imbalance if live else None
     if problems:
-        degraded = cond(DEGRADED, True, "PodsFailing", "; ".join(problems))
+        degraded = cond(DEGRADED, True, "PodsFailing", "; ".join(problems + stalled))
+    elif stalled:
+        degraded = cond(
+            DEGRADED,
+            True,
+            "SchedulerStalled",
+            "; ".join(stalled) + "; withdrawn from routing until it recovers",
+        )
+    elif imbalance:
+        degraded = cond(DEGRADED, True, "RankImbalance", imbalance)
     else:
-        degraded = cond(DEGRADED, False, "AsExpected", "no failing pods")
+        degraded = cond(DEGRADED, False, "AsExpected", "no failing pods, no stalled rank")
 
     status: dict[str, Any] = {
         "conditions": _merge_conditions([ready, progressing, degraded], old_conditions),
@@ -250,14 +289,56 @@ def compute(
         "clusterURL": builders.cluster_url(isvc),
         "replicas": ranks.current,
         "readyReplicas": ranks.ready,
-        "desiredReplicas": ranks.desired,
-        "readyRanks": f"{ranks.ready}/{ranks.desired}",
+        "desiredReplicas": desired,
+        "readyRanks": f"{ready_ranks}/{desired}",
         "routerReadyReplicas": router.ready if router else 0,
         "selector": builders.label_selector(builders.selector_labels(isvc.name, c.ROLE_RANK)),
     }
+    if live is not None:
+        status.update(
+            queuedRequests=live.queued,
+            runningRequests=live.running,
+            kvUsage=f"{live.kv_usage:.0%}" if live.kv_usage is not None else "",
+            ranks=_rank_entries(live.ranks, previous.get("ranks"), now),
+        )
+        # None deletes it (merge patch): no autoscaler, no decision to show.
+        status["autoscaler"] = dict(live.autoscaler) if live.autoscaler is not None else None
     if generation is not None:
         status["observedGeneration"] = generation
     return status
+
+
+def _rank_entries(
+    ranks: Sequence[Mapping[str, Any]], previous: Any, now: str
+) -> list[dict[str, Any]]:
+    """The ranks' entries; a rank whose numbers did not change keeps its earlier lastScrape for
+    up to LAST_SCRAPE_REFRESH_SECONDS, so a steady service is not rewritten on every scrape."""
+    before = {
+        entry.get("rank"): entry
+        for entry in (previous if isinstance(previous, list) else [])
+        if isinstance(entry, Mapping)
+    }
+    entries = []
+    for entry in ranks:
+        entry = dict(entry)
+        old = before.get(entry["rank"])
+        if old is not None and "lastScrape" in entry and "lastScrape" in old:
+            same = {k: v for k, v in old.items() if k != "lastScrape"} == {
+                k: v for k, v in entry.items() if k != "lastScrape"
+            }
+            if same and _seconds_between(old["lastScrape"], now) < LAST_SCRAPE_REFRESH_SECONDS:
+                entry["lastScrape"] = old["lastScrape"]
+        entries.append(entry)
+    return entries
+
+
+def _seconds_between(earlier: str, later: str) -> float:
+    try:
+        start = datetime.datetime.strptime(earlier, RFC3339)
+        end = datetime.datetime.strptime(later, RFC3339)
+    except (TypeError, ValueError):
+        return float("inf")
+    return (end - start).total_seconds()
 
 
 def failed(
@@ -326,9 +407,26 @@ async def publish(
     kube: Kube, namespace: str, name: str, current: Mapping[str, Any] | None, new: Mapping[str, Any]
 ) -> bool:
     """Write `new` over `current` as a merge patch of .status; False (and no request) if equal."""
-    current = current or {}
-    patch = {key: value for key, value in new.items() if current.get(key) != value}
+    patch = merge_patch(current or {}, new)
     if not patch:
         return False
     await kube.patch_status(namespace, name, patch)
     return True
+
+
+def merge_patch(current: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that turns the keys of `new` in `current` into `new`'s:
+    nested objects are patched key by key (a key they lose is set to null, which deletes it);
+    keys of `current` that `new` does not mention are left alone."""
+    patch: dict[str, Any] = {}
+    for key, value in new.items():
+        old = current.get(key)
+        if old == value:
+            continue
+        if isinstance(value, Mapping) and isinstance(old, Mapping):
+            nested = merge_patch(old, value)
+            nested.update({gone: None for gone in old if gone not in value})
+            patch[key] = nested
+        else:
+            patch[key] = value
+    return patch

@@ -170,6 +170,7 @@ class SchedulerStats(_Msg):
     gen_throughput: float  # output tokens/s over the last interval
     cache_hit_rate: float
     step_count: int
+    generated_tokens: int = 0  # output tokens since start, running requests included
 
 
 class FlushCacheOut(_Msg):

@@ -72,6 +72,12 @@ class MetricsCollector:
             "Unix time of the scheduler's last heartbeat (every 0.5 s while its loop runs)",
         )
         self.steps = gauge("berth:scheduler_steps", "Batches the scheduler has run since start")
+        # Unlike sglang:generation_tokens (finished requests), this moves with every decode step:
+        # a rank with work whose count stands still is stalled.
+        self.scheduler_generated_tokens = gauge(
+            "berth:scheduler_generated_tokens",
+            "Output tokens the scheduler has generated since start, running requests included",
+        )
 
         # Per request (from the TokenizerManager).
         self.ttft = histogram(
@@ -124,6 +130,7 @@ class MetricsCollector:
         self.cache_hit_rate.set(stats.cache_hit_rate)
         self.heartbeat.set(stats.time)
         self.steps.set(stats.step_count)
+        self.scheduler_generated_tokens.set(stats.generated_tokens)
 
     def observe_first_token(self, received_time: float, now: float) -> None:
         self.ttft.observe(max(now - received_time, 0.0))

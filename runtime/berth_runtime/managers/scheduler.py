@@ -575,6 +575,7 @@ class Scheduler:
                 else 0.0
             ),
             step_count=self.stats.step_count,
+            generated_tokens=self.stats.generated_tokens,
         )
 
 

@@ -179,7 +179,9 @@ async def cluster(kmock: kmock.KubernetesEmulator) -> Cluster:
 
 
 @contextlib.asynccontextmanager
-async def running_operator(cluster: Cluster) -> AsyncIterator[None]:
+async def running_operator(
+    cluster: Cluster, *, observe_interval: float | None = None
+) -> AsyncIterator[None]:
     """kopf.operator() in this event loop, cluster-wide, standalone; cancelled on exit."""
     ready = asyncio.Event()
     start = len(cluster.requests())
@@ -189,7 +191,11 @@ async def running_operator(cluster: Cluster) -> AsyncIterator[None]:
             standalone=True,
             ready_flag=ready,
             settings=kopf.OperatorSettings(),
-            memo=kopf.Memo(kube=Kube.for_url(cluster.url), default_image="registry.test/berth:1"),
+            memo=kopf.Memo(
+                kube=Kube.for_url(cluster.url),
+                default_image="registry.test/berth:1",
+                observe_interval=observe_interval,
+            ),
         )
     )
 

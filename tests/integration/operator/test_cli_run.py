@@ -1,4 +1,5 @@
-"""`berth operator run` as a real process: kubeconfig login, liveness, reconcile, SIGTERM."""
+"""`berth operator run` as a real process: kubeconfig login, liveness, metrics, reconcile,
+SIGTERM."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ async def test_berth_operator_run_serves_liveness_reconciles_and_stops_on_sigter
         )
     )
     port = free_port()
+    metrics_port = free_port()
     log = (tmp_path / "operator.log").open("wb")
     code = "import sys; from berth_runtime.cli import main; sys.exit(main())"
     proc = await asyncio.create_subprocess_exec(
@@ -51,6 +53,8 @@ async def test_berth_operator_run_serves_liveness_reconciles_and_stops_on_sigter
         "run",
         "--standalone",
         f"--liveness=http://127.0.0.1:{port}/healthz",
+        f"--metrics-port={metrics_port}",
+        "--observe-interval=0.5",
         "--runtime-image=registry.test/berth:cli",
         cwd=REPO_ROOT,
         env={
@@ -97,6 +101,20 @@ async def test_berth_operator_run_serves_liveness_reconciles_and_stops_on_sigter
         }
         assert tokens == {"Bearer t0ken"}
         await eventually(lambda: reason(cluster, "chat") == "RanksNotReady", timeout=30)
+
+        # The operator's own metrics: its decision for the new InferenceService.
+        async with aiohttp.ClientSession() as session:
+            desired = 'berth_operator_desired_ranks{name="chat",namespace="team-a"} 1.0'
+            deadline = asyncio.get_running_loop().time() + 30
+            while True:
+                async with session.get(f"http://127.0.0.1:{metrics_port}/metrics") as r:
+                    assert r.status == 200
+                    text = await r.text()
+                if desired in text:
+                    break
+                assert asyncio.get_running_loop().time() < deadline, text
+                await asyncio.sleep(0.2)
+            assert 'berth_operator_serving_ranks{name="chat",namespace="team-a"} 0.0' in text
     finally:
         if proc.returncode is None:
             proc.send_signal(signal.SIGTERM)

@@ -30,6 +30,10 @@ AUTHORIZATION_ONLY = {
     ("discovery.k8s.io", "endpointslices", "watch"),
 }
 
+# Used only when a rank's scheduler stalls past its grace, which needs real ranks: the health
+# test (test_autoscaling.py) makes that call and checks that the role allows everything it did.
+USED_BY_HEALTH_CHECKS = {("", "pods", "delete")}
+
 
 def role_rules() -> set[Rule]:
     role = yaml.safe_load((MANIFESTS / "rbac" / "role.yaml").read_text())
@@ -101,7 +105,8 @@ async def test_role_allows_exactly_what_the_operator_does(cluster: Cluster, oper
     calls = operator_calls(cluster)
     granted = role_rules()
     assert sorted(calls - granted) == [], "the operator calls what its role does not allow"
-    assert sorted(granted - calls - AUTHORIZATION_ONLY) == [], "the role allows unused verbs"
+    unused = granted - calls - AUTHORIZATION_ONLY - USED_BY_HEALTH_CHECKS
+    assert sorted(unused) == [], "the role allows unused verbs"
 
 
 def test_role_covers_every_kind_the_builders_emit() -> None:

@@ -91,6 +91,7 @@ def test_gauges_move_under_load_and_return_to_idle(server):
         for name in names
     ]
     seen = {"running": 0.0, "used": 0.0, "usage": 0.0}
+    generated_before = metric(scrape(server.base_url), "berth:scheduler_generated_tokens")
 
     def watch() -> bool:
         samples = scrape(server.base_url)
@@ -117,6 +118,17 @@ def test_gauges_move_under_load_and_return_to_idle(server):
         what="gauges back to idle",
     )
     assert metric(scrape(server.base_url), "sglang:num_queue_reqs") == 0
+    # The scheduler's own count of every token it generated (what stall detection watches).
+    # At least: `generated_before` came from a heartbeat that may predate the previous test's
+    # last tokens.
+    wait_for(
+        lambda: (
+            metric(scrape(server.base_url), "berth:scheduler_generated_tokens")
+            >= generated_before + 6 * 48
+        ),
+        10,
+        what="the generated-token count in the heartbeat",
+    )
 
 
 def test_disconnect_counts_as_aborted(server, http: httpx.Client):

@@ -98,6 +98,7 @@ FULL_SPEC: dict[str, Any] = {
     "parallelism": {"tensor": 1},
     "replicas": 3,
     "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6},
+    "health": {"stallTimeoutSeconds": 20, "restartAfterSeconds": 0, "imbalanceWindowSeconds": 30},
     "routing": {"policy": "leastLoad", "routerReplicas": 2},
     "ingress": {
         "host": "chat.example.com",

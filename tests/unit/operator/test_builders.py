@@ -498,3 +498,83 @@ def test_urls() -> None:
     assert builders.cluster_url(full) == "http://chat.team-a.svc/v1"
     wildcard = parse({"ingress": {"host": "*.example.com"}})
     assert builders.ingress_url(wildcard) is None
+
+
+# --- the rank plan (autoscaler and health checks) ------------------------------------------------
+
+
+def rank_service_names(children: list[dict[str, Any]]) -> list[str]:
+    return [
+        s["metadata"]["name"]
+        for s in by_kind(children, "Service")
+        if c.LABEL_DP_RANK in s["metadata"]["labels"]
+    ]
+
+
+def test_withdrawn_ranks_lose_their_service_but_keep_their_pods() -> None:
+    isvc = parse({"replicas": 3})
+    plan = builders.RankPlan(3, frozenset({1}))
+    children = builders.build_children(isvc, plan)
+    assert rank_service_names(children) == ["chat-rank-0", "chat-rank-2"]
+    assert one(children, "StatefulSet", "chat")["spec"]["replicas"] == 3
+    # The router discovers ranks through those Services; rank_urls agrees.
+    assert builders.rank_urls(isvc, plan) == [
+        "http://chat-rank-0.team-a.svc:8000",
+        "http://chat-rank-2.team-a.svc:8000",
+    ]
+    # The headless Service (stable DNS, what the operator's own view relies on) stays.
+    assert one(children, "Service", "chat-ranks")
+    everyone = builders.build_children(isvc, builders.RankPlan(3, frozenset({0, 1, 2})))
+    assert rank_service_names(everyone) == []
+    assert one(everyone, "StatefulSet", "chat")["spec"]["replicas"] == 3
+
+
+def test_plan_pods_set_the_statefulset_replicas() -> None:
+    isvc = parse({"replicas": 2, "autoscaling": {"enabled": True, "maxReplicas": 8}})
+    children = builders.build_children(isvc, builders.RankPlan(5, frozenset({4})))
+    assert one(children, "StatefulSet", "chat")["spec"]["replicas"] == 5
+    assert rank_service_names(children) == [f"chat-rank-{r}" for r in range(4)]
+    shrunk = builders.build_children(isvc, builders.RankPlan(1))
+    assert one(shrunk, "StatefulSet", "chat")["spec"]["replicas"] == 1
+    assert rank_service_names(shrunk) == ["chat-rank-0"]
+
+
+def test_withdrawn_ranks_beyond_the_pods_are_ignored() -> None:
+    assert builders.RankPlan(2, frozenset({5})).routable == [0, 1]
+    assert builders.RankPlan(0).routable == []
+    assert builders.RankPlan(4, frozenset({0, 3})).routable == [1, 2]
+
+
+def test_without_a_plan_the_spec_decides() -> None:
+    for spec in (FULL_SPEC, {"replicas": 3}, {"replicas": 0}):
+        isvc = parse(spec)
+        assert builders.RankPlan.of(isvc) == builders.RankPlan(isvc.spec.ranks)
+        assert builders.build_children(isvc) == builders.build_children(
+            isvc, builders.RankPlan.of(isvc)
+        )
+        assert builders.rank_urls(isvc) == builders.rank_urls(isvc, builders.RankPlan.of(isvc))
+    clamped = parse({"replicas": 1, "autoscaling": {"enabled": True, "minReplicas": 2}})
+    assert builders.RankPlan.of(clamped) == builders.RankPlan(2)
+
+
+def test_a_plan_changes_nothing_but_the_rank_services_and_replicas() -> None:
+    isvc = parse(FULL_SPEC)
+    plain = {(o["kind"], o["metadata"]["name"]): o for o in builders.build_children(isvc)}
+    planned = {
+        (o["kind"], o["metadata"]["name"]): o
+        for o in builders.build_children(isvc, builders.RankPlan(5, frozenset({0, 4})))
+    }
+    keys = plain.keys() | planned.keys()
+    rank_services = {key for key in keys if key[1].startswith("chat-rank-")}
+    assert {k for k in planned if k in rank_services} == {
+        ("Service", f"chat-rank-{r}") for r in (1, 2, 3)
+    }
+    sts = ("StatefulSet", "chat")
+    assert planned[sts]["spec"]["replicas"] == 5
+    assert {**planned[sts], "spec": {**planned[sts]["spec"], "replicas": 3}} == plain[sts]
+    # In particular the router Deployment is untouched: withdrawing a rank never restarts it.
+    others = keys - rank_services - {sts}
+    assert all(plain.get(k) == planned.get(k) for k in others)
+    assert ("Deployment", "chat-router") in others
+    # A rank Service that stays is the very same object.
+    assert planned[("Service", "chat-rank-1")] == plain[("Service", "chat-rank-1")]
