@@ -245,7 +245,7 @@ class RankObserver:
         sample = self.latest.get(rank)
         if sample is None or not sample.ok:
             return True
-        return not sample.busy
+        return sample.idle
 
     # --- what the status shows ---------------------------------------------------------------
 
@@ -275,7 +275,8 @@ class RankObserver:
             elif not sample.ok:
                 entry.update(state="Unreachable", message=sample.error or "no answer")
             elif not sample.ready:
-                entry.update(state="Starting", message="pod not ready")
+                phase = f" (server {sample.phase})" if sample.phase else ""
+                entry.update(state="Starting", message=f"pod not ready{phase}")
             else:
                 entry["state"] = "Serving"
             ranks.append(entry)

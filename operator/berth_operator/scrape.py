@@ -1,4 +1,4 @@
-"""Scrape each rank's `/metrics`: find the rank pods and their addresses, read their load.
+"""Scrape each rank's `/metrics` and `/get_load`: find the rank pods and their addresses.
 
 The operator talks to the rank pods directly (pod IP and the container's `http` port), not through
 the per-rank Services: a rank withdrawn from routing (its Service removed) must still be watched.
@@ -60,10 +60,20 @@ class RankSample:
     generated_tokens: float = 0.0
     steps: float = 0.0
     heartbeat: float = 0.0
+    # From /get_load: requests the API process holds (being tokenized, generated or streamed out),
+    # and the server's phase (loading, ready, ...).
+    inflight: int = 0
+    phase: str = ""
 
     @property
     def busy(self) -> bool:
+        """The scheduler has work (what a stalled scheduler leaves undone)."""
         return self.queued + self.running > 0
+
+    @property
+    def idle(self) -> bool:
+        """Nothing left to finish anywhere in the server: safe to remove the rank."""
+        return not self.busy and self.inflight == 0
 
 
 def rank_targets(pods: Iterable[Mapping[str, Any]]) -> list[RankTarget]:
@@ -136,7 +146,8 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 async def scrape(client: httpx.AsyncClient, target: RankTarget, now: float) -> RankSample:
-    """One rank's sample; a rank that does not answer in time gives `ok=False`, never an error."""
+    """One rank's sample from both endpoints (asked at once); a rank that does not answer both
+    in time gives `ok=False`, never an error."""
     base = {
         "rank": target.rank,
         "pod": target.pod,
@@ -145,10 +156,17 @@ async def scrape(client: httpx.AsyncClient, target: RankTarget, now: float) -> R
         "ready": target.ready,
     }
     try:
-        response = await client.get(f"{target.url}{c.METRICS_PATH}", timeout=SCRAPE_TIMEOUT_SECONDS)
-        response.raise_for_status()
-        values = parse_metrics(response.text)
-    except (httpx.HTTPError, ValueError) as e:
+        metrics, load = await asyncio.gather(
+            client.get(f"{target.url}{c.METRICS_PATH}", timeout=SCRAPE_TIMEOUT_SECONDS),
+            client.get(f"{target.url}{c.LOAD_PATH}", timeout=SCRAPE_TIMEOUT_SECONDS),
+        )
+        metrics.raise_for_status()
+        load.raise_for_status()
+        values = parse_metrics(metrics.text)
+        load_info = load.json()
+        inflight = int(load_info.get("num_inflight_requests") or 0)
+        phase = str(load_info.get("phase") or "")
+    except (httpx.HTTPError, ValueError, TypeError, AttributeError) as e:
         return RankSample(**base, ok=False, error=f"{type(e).__name__}: {e}".rstrip(": "))
     return RankSample(
         **base,
@@ -160,12 +178,14 @@ async def scrape(client: httpx.AsyncClient, target: RankTarget, now: float) -> R
         generated_tokens=values.get("generated_tokens", 0.0),
         steps=values.get("steps", 0.0),
         heartbeat=values.get("heartbeat", 0.0),
+        inflight=inflight,
+        phase=phase,
     )
 
 
 async def scrape_all(
     client: httpx.AsyncClient, targets: Sequence[RankTarget], now: float
 ) -> list[RankSample]:
-    """Every rank at once (`/metrics` needs no API key): one slow rank costs the tick its
+    """Every rank at once (neither endpoint needs the API key): one slow rank costs the tick its
     timeout, not the sum of them."""
     return list(await asyncio.gather(*(scrape(client, t, now) for t in targets)))

@@ -61,7 +61,7 @@ class ServerArgs:
         default=None,
         metadata={
             "help": "Require `Authorization: Bearer <key>` on every endpoint "
-            "but /health and /metrics (default: $BERTH_API_KEY if set)."
+            "but /health, /metrics and /get_load (default: $BERTH_API_KEY if set)."
         },
     )
     graceful_shutdown_timeout: float = field(

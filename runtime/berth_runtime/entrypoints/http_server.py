@@ -30,8 +30,9 @@ from berth_runtime.sampling_params import SamplingParams
 from berth_runtime.server_args import ServerArgs
 from berth_runtime.utils.auth import ApiKeyMiddleware
 
-# Endpoints that stay open without an API key (probes and scrapers).
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# Endpoints that stay open without an API key (probes, scrapers and the operator, which reads
+# the load without holding the key; they say no more than /metrics does).
+OPEN_PATHS = frozenset({"/health", "/metrics", "/get_load", "/v1/loads"})
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 # The scheduler's heartbeat (every 0.5 s, through the detokenizer) older than this: a wedged loop.
 HEARTBEAT_STALE_S = 5.0

@@ -158,6 +158,7 @@ def test_api_key_protects_everything_but_health():
         line = next(x for x in srv.output().splitlines() if "Finished rid=logged" in x)
         assert "[api]" in line and "completion_tokens=2" in line
         assert httpx.get(f"{base}/metrics").status_code == 200  # open, like /health
+        assert httpx.get(f"{base}/get_load").json()["dp_rank"] == 2  # open: the operator reads it
     finally:
         assert srv.stop() == 0
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -188,6 +189,7 @@ class _Rank(ThreadingHTTPServer):
     daemon_threads = True
     status: int = 200
     body: str = ""
+    load: str = ""
     delay: float = 0.0
     paths: list[str]
 
@@ -201,9 +203,11 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self.server.paths.append(self.path)
         time.sleep(self.server.delay)
-        payload = self.server.body.encode()
+        is_load = self.path == c.LOAD_PATH
+        payload = (self.server.load if is_load else self.server.body).encode()
         self.send_response(self.server.status)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        kind = "application/json" if is_load else "text/plain; version=0.0.4"
+        self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
         self.wfile.write(payload)
@@ -213,21 +217,27 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 Serve = Callable[..., _Rank]
+IDLE_LOAD = json.dumps({"num_inflight_requests": 0, "phase": "ready"})
 
 
 @pytest.fixture
 def serve() -> Iterator[Serve]:
-    """Start a tiny HTTP server on loopback that answers every GET the same way."""
+    """Start a tiny HTTP server on loopback: `body` at /metrics, `load` (JSON) at /get_load."""
     started: list[_Rank] = []
 
     def start(
-        body: str = "", status: int = 200, delay: float = 0.0, host: str = "127.0.0.1"
+        body: str = "",
+        status: int = 200,
+        delay: float = 0.0,
+        host: str = "127.0.0.1",
+        load: str = IDLE_LOAD,
     ) -> _Rank:
         server_class = _Rank
         if ":" in host:
             server_class = type("_Rank6", (_Rank,), {"address_family": socket.AF_INET6})
         server = server_class((host, 0), _Handler)
         server.body, server.status, server.delay, server.paths = body, status, delay, []
+        server.load = load
         threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
         started.append(server)
         return server
@@ -266,7 +276,7 @@ async def scrape_one(target: RankTarget, now: float = 1234.5) -> RankSample:
 async def test_scrape_reads_a_ranks_metrics(serve: Serve) -> None:
     server = serve(runtime_metrics())
     sample = await scrape_one(target_of(server, rank=3))
-    assert server.paths == [c.METRICS_PATH]
+    assert sorted(server.paths) == sorted([c.METRICS_PATH, c.LOAD_PATH])
     assert sample.ok and sample.error is None
     assert (sample.rank, sample.pod, sample.uid, sample.time, sample.ready) == (
         3,
@@ -287,7 +297,21 @@ async def test_scrape_reads_a_ranks_metrics(serve: Serve) -> None:
 async def test_an_idle_rank_is_not_busy(serve: Serve) -> None:
     server = serve(runtime_metrics(num_running_reqs=0, num_waiting_reqs=0))
     sample = await scrape_one(target_of(server))
-    assert sample.ok and not sample.busy
+    assert sample.ok and not sample.busy and sample.idle
+    assert (sample.inflight, sample.phase) == (0, "ready")
+
+
+async def test_requests_in_the_api_process_keep_a_rank_from_being_idle(serve: Serve) -> None:
+    # The scheduler is done, but a response is still streaming out: not safe to remove.
+    load = json.dumps({"num_inflight_requests": 2, "phase": "ready"})
+    server = serve(runtime_metrics(num_running_reqs=0, num_waiting_reqs=0), load=load)
+    sample = await scrape_one(target_of(server))
+    assert sample.ok and not sample.busy and not sample.idle and sample.inflight == 2
+
+
+async def test_a_load_endpoint_that_is_not_json_is_a_failed_sample(serve: Serve) -> None:
+    sample = await scrape_one(target_of(serve(runtime_metrics(), load="<html>")))
+    assert not sample.ok and sample.error
 
 
 async def test_a_runtime_without_the_berth_metrics_reads_as_zero(serve: Serve) -> None:
