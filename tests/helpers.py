@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -136,3 +137,29 @@ def metric(samples: dict[tuple[str, frozenset], float], name: str, **labels: str
     """Sum of the samples called `name` whose labels include `labels` (0 if none)."""
     want = set(labels.items())
     return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+@contextlib.contextmanager
+def running_servers(args_of_each: list[list[str]]) -> Iterator[list[RunningServer]]:
+    """Several real servers at once, one torch thread each: they share this machine's cores, and
+    oversubscribed OpenMP threads that spin-wait make every step many times slower. Stopped on
+    exit, whatever happened."""
+    servers = [RunningServer(*args, env={"OMP_NUM_THREADS": "1"}) for args in args_of_each]
+    try:
+        for server in servers:
+            server.wait_ready()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def scheduler_process(server: RunningServer):
+    """The server's scheduler process (to freeze it with SIGSTOP, say)."""
+    import psutil
+
+    for pid in server.child_pids():
+        proc = psutil.Process(pid)
+        if "scheduler" in " ".join(proc.cmdline()):
+            return proc
+    raise AssertionError("no scheduler process found")

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from berth_operator import builders
 from berth_operator import constants as c
 from berth_operator import metrics as operator_metrics
-from tests.helpers import RunningServer, embedded_model_dir
+from tests.helpers import RunningServer, embedded_model_dir, running_servers, scheduler_process
 
 from .conftest import ISVC, Cluster, eventually, running_operator
 from .test_operator_kmock import NS, STS, isvc, mark_ready, posted_events, reason
@@ -41,35 +40,18 @@ LONG_TOKENS = 320
 
 @pytest.fixture(scope="module")
 def ranks() -> Iterator[list[RunningServer]]:
-    """Two real servers, one per rank, each on one thread. Two requests run at once per
-    server, so a burst of requests queues."""
-    servers = [
-        RunningServer(
-            "--model",
-            embedded_model_dir(),
-            "--max-running-requests",
-            "2",
-            "--watchdog-timeout",
-            "600",
-            env={"OMP_NUM_THREADS": "1"},
-        )
-        for _ in range(2)
+    """Two real servers, one per rank. Two requests run at once per server, so a burst of
+    requests queues."""
+    args = [
+        "--model",
+        embedded_model_dir(),
+        "--max-running-requests",
+        "2",
+        "--watchdog-timeout",
+        "600",
     ]
-    try:
-        for server in servers:
-            server.wait_ready()
+    with running_servers([args, args]) as servers:
         yield servers
-    finally:
-        for server in servers:
-            server.stop()
-
-
-def scheduler_of(server: RunningServer) -> psutil.Process:
-    for pid in server.child_pids():
-        proc = psutil.Process(pid)
-        if "scheduler" in " ".join(proc.cmdline()):
-            return proc
-    raise AssertionError("no scheduler process found")
 
 
 async def create_rank_pod(
@@ -258,7 +240,7 @@ async def test_frozen_scheduler_is_withdrawn_and_routed_again_when_it_resumes(
         await start_ranks(cluster, name, ranks, "pod-frozen")
         assert reason(cluster, name, "Degraded") == "AsExpected"
 
-        scheduler = scheduler_of(ranks[1])
+        scheduler = scheduler_process(ranks[1])
         scheduler.send_signal(signal.SIGSTOP)
         try:
             stopped_at = time.monotonic()
@@ -300,7 +282,7 @@ async def test_rank_stalled_past_its_grace_is_restarted(
         await cluster.create(isvc(name, copy.deepcopy(spec)))
         await start_ranks(cluster, name, ranks, "pod-restart")
 
-        scheduler = scheduler_of(ranks[0])
+        scheduler = scheduler_process(ranks[0])
         scheduler.send_signal(signal.SIGSTOP)
         try:
             await eventually(

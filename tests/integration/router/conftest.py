@@ -18,7 +18,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import RunningServer, embedded_model_dir, free_port, wait_for
+from tests.helpers import (
+    RunningServer,
+    embedded_model_dir,
+    free_port,
+    running_servers,
+    wait_for,
+)
 
 RANKS = 3
 
@@ -110,27 +116,12 @@ class Always503(http.server.BaseHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def ranks() -> Iterator[list[RunningServer]]:
     model_dir = embedded_model_dir()
-    # One torch thread per rank: three ranks share this machine's cores, and oversubscribed
-    # OpenMP threads that spin-wait make every step many times slower.
-    servers = [
-        RunningServer(
-            "--model",
-            model_dir,
-            "--dp-rank",
-            str(i),
-            "--max-total-tokens",
-            "8192",
-            env={"OMP_NUM_THREADS": "1"},
-        )
+    args = [
+        ["--model", model_dir, "--dp-rank", str(i), "--max-total-tokens", "8192"]
         for i in range(RANKS)
     ]
-    try:
-        for server in servers:
-            server.wait_ready()
+    with running_servers(args) as servers:
         yield servers
-    finally:
-        for server in servers:
-            server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -7,17 +7,8 @@ import signal
 import threading
 
 import httpx
-import psutil
 
-from tests.helpers import RunningServer, embedded_model_dir, wait_for
-
-
-def scheduler_of(srv: RunningServer) -> psutil.Process:
-    for pid in srv.child_pids():
-        proc = psutil.Process(pid)
-        if "scheduler" in " ".join(proc.cmdline()):
-            return proc
-    raise AssertionError("no scheduler process found")
+from tests.helpers import RunningServer, embedded_model_dir, scheduler_process, wait_for
 
 
 def test_health_reports_loading_then_ready_with_progress():
@@ -48,7 +39,7 @@ def test_health_reports_loading_then_ready_with_progress():
 def test_frozen_scheduler_turns_health_503_and_recovers():
     srv = RunningServer("--model", embedded_model_dir(), "--watchdog-timeout", "120").wait_ready()
     try:
-        scheduler = scheduler_of(srv)
+        scheduler = scheduler_process(srv)
         scheduler.send_signal(signal.SIGSTOP)
         try:
             wait_for(lambda: httpx.get(f"{srv.base_url}/health").status_code == 503, 10, what="503")
@@ -76,7 +67,7 @@ def test_watchdog_fails_requests_and_exits_when_the_engine_stays_wedged():
             30,
             what="the request to start",
         )
-        scheduler_of(srv).send_signal(signal.SIGSTOP)
+        scheduler_process(srv).send_signal(signal.SIGSTOP)
         t.join(30)
         assert result["r"].status_code >= 500
         assert srv.proc.wait(30) != 0
