@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
+
+from berth_runtime.utils.dataclass_cli import DataclassCli
 
 DEFAULT_PORT = 30000
 DEFAULT_SERVED_NAME = "smollm2-135m-instruct"
@@ -14,7 +14,7 @@ BUILTIN_MODEL = "builtin://smollm2-135m-instruct"
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServerArgs:
+class ServerArgs(DataclassCli):
     """The runtime's configuration; the operator renders exactly these flags."""
 
     # Model
@@ -34,7 +34,10 @@ class ServerArgs:
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
         default="auto",
-        metadata={"help": "Weight and activation dtype; auto = float32 on CPU, bfloat16 on CUDA."},
+        metadata={
+            "help": "Weight, activation and KV cache dtype; auto = bfloat16 on CUDA and on CPUs "
+            "with native bf16 (AVX512-BF16/AMX), float32 on other CPUs."
+        },
     )
     device: Literal["auto", "cpu", "cuda"] = field(
         default="auto", metadata={"help": "Device to run the model on; auto = cuda if available."}
@@ -146,42 +149,3 @@ class ServerArgs:
             return DEFAULT_SERVED_NAME
         base = os.path.basename(os.path.normpath(self.model))
         return base.removesuffix(".gguf")
-
-    @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """Add one `--flag` per field, its default and help taken from the field."""
-        for f in dataclasses.fields(ServerArgs):
-            flag = "--" + f.name.replace("_", "-")
-            help_text = f.metadata.get("help", "")
-            if f.type == "bool":
-                parser.add_argument(flag, action="store_true", help=help_text)
-                continue
-            if "default" not in help_text:
-                help_text = f"{help_text} [default: {f.default}]"
-            kwargs: dict[str, Any] = {"default": f.default, "help": help_text}
-            choices = _literal_choices(f.type)
-            if choices:
-                kwargs["choices"] = choices
-            kwargs["type"] = _parse_type(f.type)
-            parser.add_argument(flag, **kwargs)
-
-    @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(ns).items() if k in names})
-
-
-def _literal_choices(type_str: Any) -> list[str] | None:
-    text = str(type_str)
-    if not text.startswith("Literal["):
-        return None
-    return [part.strip().strip("'\"") for part in text[len("Literal[") : -1].split(",")]
-
-
-def _parse_type(type_str: Any) -> Any:
-    text = str(type_str)
-    if text.startswith("int"):
-        return int
-    if text.startswith("float"):
-        return float
-    return str

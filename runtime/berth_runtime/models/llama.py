@@ -13,6 +13,47 @@ from berth_runtime.mem_cache.kv_pool import TokenToKVPool
 from berth_runtime.model_executor.forward_batch import ForwardBatch
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except that a single bf16/fp16 row goes through a matrix-vector product: on CPU
+    the reduced-precision GEMM path costs about twice torch.mv at one row (single-stream decode)."""
+    one_row = x.dim() == 2 and x.shape[0] == 1
+    if one_row and x.device.type == "cpu" and weight.dtype != torch.float32:
+        out = torch.mv(weight, x[0]).unsqueeze(0)
+        return out if bias is None else out + bias
+    return F.linear(x, weight, bias)
+
+
+def run_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """One projection: through oneDNN with the weight prepacked (see `prepack_cpu_linears`) when
+    it was, else `linear`."""
+    if module.weight.dtype != torch.float32 and getattr(module, "berth_packed", False):
+        out = packed_linear(x, module.weight)
+        return out if module.bias is None else out + module.bias
+    return linear(x, module.weight, module.bias)
+
+
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight, None, "none", [], "")
+
+
+# Batch size oneDNN picks the packed layout for (measured: one layout serves 1..300 rows well).
+PACK_BATCH_HINT = 32
+
+
+def can_prepack_cpu_linears(dtype: torch.dtype, device: torch.device) -> bool:
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -102,7 +143,7 @@ class LlamaAttention(nn.Module):
         kv_pool: TokenToKVPool,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
+        qkv = run_linear(self.qkv_proj, hidden).view(num_tokens, -1, self.head_dim)
         # Rotate the query and key heads in one go (fewer, larger ops: decode is overhead-bound).
         qk = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], rope)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
@@ -112,8 +153,11 @@ class LlamaAttention(nn.Module):
         v_cache = kv_pool.v_buffer[self.layer_id]
         k_cache[batch.out_cache_loc] = k
         v_cache[batch.out_cache_loc] = v
-        keys = k_cache[batch.kv_indices].transpose(1, 2)  # [B, Hkv, L, D]
-        values = v_cache[batch.kv_indices].transpose(1, 2)
+        # index_select on the flat slot axis is several times faster than advanced indexing.
+        flat = batch.kv_indices.view(-1)
+        gathered = (batch.batch_size, batch.kv_indices.shape[1], self.num_kv_heads, self.head_dim)
+        keys = k_cache.index_select(0, flat).view(gathered).transpose(1, 2)  # [B, Hkv, L, D]
+        values = v_cache.index_select(0, flat).view(gathered).transpose(1, 2)
 
         if batch.is_decode:
             queries = q.unsqueeze(2)  # [B, H, 1, D]
@@ -130,7 +174,7 @@ class LlamaAttention(nn.Module):
         else:
             out = out.transpose(1, 2)[batch.query_batch_index, batch.query_pos_index]
             out = out.reshape(num_tokens, self.q_size)
-        return self.o_proj(out)
+        return run_linear(self.o_proj, out)
 
 
 class LlamaMLP(nn.Module):
@@ -142,8 +186,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = run_linear(self.gate_up_proj, x)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return run_linear(self.down_proj, F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -180,6 +225,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.packed_lm_head: torch.Tensor | None = None  # set by prepack_cpu_linears
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: TokenToKVPool) -> torch.Tensor:
@@ -191,8 +237,26 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_lm_head is not None:
+            return packed_linear(hidden, self.packed_lm_head).float()
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
+
+    @torch.inference_mode()
+    def prepack_cpu_linears(self) -> None:
+        """Reorder every projection's bf16 weight once into oneDNN's blocked layout (after
+        loading). Unpacked, oneDNN reorders the weight on every call: prepacked, batched decode
+        projections run 1.2-1.9x faster, with bit-identical results. The packed tensor replaces the
+        weight in place (same memory); a tied lm_head gets a packed copy of the embedding."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and module is not getattr(self, "lm_head", None):
+                module.weight = nn.Parameter(_pack(module.weight), requires_grad=False)
+                module.berth_packed = True
+        if self.tie_word_embeddings:
+            self.packed_lm_head = _pack(self.embed_tokens.weight)
+        else:
+            self.packed_lm_head = _pack(self.lm_head.weight)
+            self.lm_head.weight = nn.Parameter(self.packed_lm_head, requires_grad=False)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face tensors in, fusing q/k/v and gate/up projections."""
