@@ -187,7 +187,12 @@ class Scheduler:
         for req in candidates:
             is_new = req is not self.chunked_req
             if is_new and num_live >= self.max_running:
-                break
+                victim = self._preemption_victim(req)
+                if victim is None:
+                    break
+                reserved -= self._reserve(victim)
+                self._preempt(victim, req)
+                num_live -= 1
             if req.req_row is None and not self._admit_with_prefix(req):
                 break
             remaining = req.fill_len - req.kv_len
@@ -197,6 +202,15 @@ class Scheduler:
             if chunk <= 0 or (chunk < remaining and not self.chunking):
                 break
             reserve = self._reserve(req) if chunk == remaining else 0
+            need = chunk + reserved + reserve
+            if need > self._free_capacity() and self._can_preempt_for(req, need):
+                while need > self._free_capacity():
+                    victim = self._preemption_victim(req)
+                    assert victim is not None, "_can_preempt_for counted the victims"
+                    reserved -= self._reserve(victim)
+                    need -= self._reserve(victim)
+                    self._preempt(victim, req)
+                    num_live -= 1
             if chunk + reserved + reserve > self._free_capacity():
                 if entries or self.running:
                     self._undo_admission(req)
@@ -233,6 +247,49 @@ class Scheduler:
             }
             return sorted(self.waiting, key=lambda r: -matched[id(r)])  # stable: FCFS on ties
         return list(self.waiting)
+
+    def _preemption_victim(self, req: Req) -> Req | None:
+        """Priority policy: the running request `req` may displace, if any.
+
+        The lowest-priority one (the newest among equals), and only if its priority is strictly
+        lower than `req`'s: equal priorities never preempt each other, so nothing thrashes.
+        """
+        if self.args.schedule_policy != "priority":
+            return None
+        lower = [r for r in self.running if r.priority < req.priority]
+        return min(lower, key=lambda r: (r.priority, -r.queued_time)) if lower else None
+
+    def _can_preempt_for(self, req: Req, need: int) -> bool:
+        """Whether preempting every lower-priority running request could free `need` tokens.
+
+        Counted generously (a victim's whole KV and its reserve), so nothing is preempted for a
+        request that would still not fit.
+        """
+        if self.args.schedule_policy != "priority":
+            return False
+        lower = [r for r in self.running if r.priority < req.priority]
+        if not lower:
+            return False
+        gain = sum(r.kv_len + self._reserve(r) for r in lower)
+        return need <= self._free_capacity() + gain
+
+    def _preempt(self, victim: Req, by: Req) -> None:
+        """Push a running request back to the queue for a higher-priority one.
+
+        As with retraction, its output so far is kept and it is prefilled again (prompt + output)
+        when it is admitted again; its stream continues where it stopped.
+        """
+        self.running.remove(victim)
+        self._release(victim)
+        self.waiting.insert(0, victim)
+        logger.info(
+            "preempted %s (priority %d, %d tokens kept) for %s (priority %d)",
+            victim.rid,
+            victim.priority,
+            len(victim.output_ids),
+            by.rid,
+            by.priority,
+        )
 
     def _admit_with_prefix(self, req: Req) -> bool:
         """Give `req` a table row and its longest cached prefix (locked); False if no row."""

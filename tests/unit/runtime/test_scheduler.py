@@ -300,3 +300,88 @@ def test_a_running_request_shares_its_prompt_with_requests_arriving_later():
     second_prefill = [b for b in runner.batches if not b[0]][-1]
     assert second_prefill[2] == 2  # only the two new tokens were computed
     assert_all_memory_free(s)
+
+
+def preq(rid: str, prompt: list[int], priority: int, **params) -> TokenizedGenerateReqInput:
+    msg = req(rid, prompt, **params)
+    msg.priority = priority
+    return msg
+
+
+def run_alone(rid: str, prompt: list[int], n: int) -> list[int]:
+    s = make_scheduler()
+    s.handle_generate(req(rid, prompt, max_new_tokens=n))
+    return run_to_idle(s)[rid][0]
+
+
+def fill_batch_then_arrive(policy: str, high_priority: int, **kwargs):
+    """Two low-priority requests fill the batch and decode a few steps; then `high` arrives."""
+    s = make_scheduler(schedule_policy=policy, max_running_requests=2, **kwargs)
+    outputs: dict[str, list] = {}
+
+    def step():
+        out = s.step()
+        if out is not None:
+            for rid, ids, fin in zip(out.rids, out.new_token_ids, out.finished_reasons):
+                entry = outputs.setdefault(rid, [[], None])
+                entry[0] += ids
+                if fin is not None:
+                    entry[1] = fin
+        return out
+
+    s.handle_generate(preq("old", [1], 0, max_new_tokens=12))
+    s.handle_generate(preq("new", [3], 0, max_new_tokens=12))
+    for _ in range(4):
+        step()
+    assert [r.rid for r in s.running] == ["old", "new"]
+    s.handle_generate(preq("high", [20], high_priority, max_new_tokens=4))
+    return s, outputs, step
+
+
+def test_priority_preempts_the_lowest_newest_running_request_and_loses_nothing():
+    s, outputs, step = fill_batch_then_arrive("priority", 5)
+    kept = len(outputs["new"][0])
+    out = step()
+    assert out is not None and out.rids == ["high"]  # scheduled at once
+    assert [r.rid for r in s.running] == ["old", "high"]
+    victim = next(r for r in s.waiting if r.rid == "new")
+    assert len(victim.output_ids) == kept > 0 and victim.req_row is None
+    while not s.is_idle:
+        step()
+    assert all(v[1].type == "length" for v in outputs.values())
+    assert outputs["old"][0] == run_alone("old", [1], 12)
+    assert outputs["new"][0] == run_alone("new", [3], 12)  # no token lost or repeated
+    assert outputs["high"][0] == run_alone("high", [20], 4)
+    assert_all_memory_free(s)
+
+
+def test_priority_preempts_when_kv_memory_is_short():
+    runner = CountingRunner(kv_tokens=48)
+    s = make_scheduler(runner, schedule_policy="priority")
+    s.handle_generate(preq("low", [1] * 20, 0, max_new_tokens=20))
+    first = [s.step(), s.step()]
+    s.handle_generate(preq("high", [2] * 20, 1, max_new_tokens=8))
+    out = s.step()
+    assert out is not None and out.rids == ["high"]  # 48 slots do not hold both: "low" yields
+    assert [r.rid for r in s.waiting] == ["low"]
+    outputs = run_to_idle(s)
+    low = [t for o in first if o is not None for t in o.new_token_ids[0]] + outputs["low"][0]
+    assert outputs["low"][1].type == "length"
+    assert low == run_alone("low", [1] * 20, 20)
+    assert_all_memory_free(s)
+
+
+def test_equal_priority_never_preempts():
+    s, outputs, step = fill_batch_then_arrive("priority", 0)
+    out = step()
+    assert out is not None and "high" not in out.rids
+    assert [r.rid for r in s.running] == ["old", "new"]
+    assert [r.rid for r in s.waiting] == ["high"]
+
+
+def test_fcfs_and_lpm_never_preempt():
+    for policy in ("fcfs", "lpm"):
+        s, outputs, step = fill_batch_then_arrive(policy, 5)
+        out = step()
+        assert out is not None and "high" not in out.rids, policy
+        assert [r.rid for r in s.running] == ["old", "new"], policy
