@@ -210,7 +210,7 @@ class RankObserver:
         policy = isvc.spec.autoscaling
         current = self.desired_ranks(isvc)
         events = []
-        if self.draining is not None and self._drained(self.draining, isvc):
+        if self.draining is not None and self._drained(self.draining):
             events.append(
                 Event("Normal", "RankDrained", f"rank {self.draining} finished its requests")
             )
@@ -240,7 +240,7 @@ class RankObserver:
         )
         return events
 
-    def _drained(self, rank: int, isvc: InferenceService) -> bool:
+    def _drained(self, rank: int) -> bool:
         """The rank has nothing left to finish (or cannot be asked any more)."""
         sample = self.latest.get(rank)
         if sample is None or not sample.ok:
