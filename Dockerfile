@@ -52,6 +52,9 @@ RUN uv pip install \
         numpy==2.4.6 \
         fastapi==0.165.0 \
         uvicorn==0.55.0 \
+        uvloop==0.23.0 \
+        httptools==0.9.0 \
+        aiohttp==3.14.5 \
         pyzmq==27.3.0 \
         prometheus-client==0.26.0 \
         setproctitle==1.3.8 \

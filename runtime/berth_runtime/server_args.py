@@ -39,6 +39,14 @@ class ServerArgs(DataclassCli):
             "with native bf16 (AVX512-BF16/AMX), float32 on other CPUs."
         },
     )
+    gguf_q4_max_batch: int = field(
+        default=8,
+        metadata={
+            "help": "On CPU in bfloat16, run steps of at most this many tokens (decode batches of "
+            "up to N sequences) with a GGUF source's own 4-bit Q4_0/Q4_1 projection weights "
+            "(a quarter of the bytes; larger steps use bf16); 0 turns it off."
+        },
+    )
     device: Literal["auto", "cpu", "cuda"] = field(
         default="auto", metadata={"help": "Device to run the model on; auto = cuda if available."}
     )
@@ -129,6 +137,8 @@ class ServerArgs(DataclassCli):
             positive(name, getattr(self, name))
         for name in ("context_length", "max_total_tokens", "max_queued_requests"):
             positive(name, getattr(self, name))
+        if self.gguf_q4_max_batch < 0:
+            raise ValueError(f"--gguf-q4-max-batch must be >= 0, got {self.gguf_q4_max_batch}")
         if self.watchdog_timeout <= 0:
             raise ValueError("--watchdog-timeout must be positive")
         if self.graceful_shutdown_timeout < 0:

@@ -176,7 +176,7 @@ def compare_parser() -> argparse.ArgumentParser:
 
 def run_main(argv: list[str]) -> int:
     args = run_parser().parse_args(argv)
-    import httpx
+    import aiohttp
 
     from berth_runtime.bench.client import BenchConfig, run_benchmark
     from berth_runtime.bench.metrics import format_summary
@@ -232,7 +232,7 @@ def run_main(argv: list[str]) -> int:
     )
     try:
         result = run_benchmark(cfg, requests)
-    except (httpx.HTTPError, RuntimeError) as err:
+    except (aiohttp.ClientError, RuntimeError) as err:
         print(f"[bench] cannot benchmark {base_url}: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
     finally:

@@ -307,6 +307,16 @@ class ChoiceStreams:
         """Yield (index, output): the first outputs in index order, then later ones as they come."""
         for index, out in enumerate(self.latest):
             yield index, out
+        if len(self._gens) == 1 and self._pending:
+            # One choice (the usual case): read its stream directly, no task per output.
+            gen = self._gens[0]
+            out = await self._pending.pop(0)
+            while True:
+                self.latest[0] = out
+                yield 0, out
+                if finish_reason(out) is not None:
+                    return
+                out = await anext(gen)
         while self._pending:
             done, _ = await asyncio.wait(
                 self._pending.values(), return_when=asyncio.FIRST_COMPLETED

@@ -475,16 +475,22 @@ class Scheduler:
 
     def _sample_and_finish(self, reqs: list[Req], logits: torch.Tensor) -> None:
         raw_logprobs = None
-        if any(r.return_logprob for r in reqs):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-        self._process_logits(reqs, logits)
-        infos = SamplingBatchInfo.build(
-            [r.sampling_params for r in reqs],
-            [r.generator for r in reqs],
-            self.vocab_size,
-            self.device,
-        )
-        next_ids = sample(logits, infos).tolist()
+        if all(self._plain_greedy(r) for r in reqs):
+            # Max over the model's dtype: the same token as over fp32 (an exact upcast), without
+            # the copy; max().indices, like argmax, takes the first maximum (and is faster).
+            next_ids = logits.max(dim=-1).indices.tolist()
+        else:
+            logits = logits.float()
+            if any(r.return_logprob for r in reqs):
+                raw_logprobs = torch.log_softmax(logits, dim=-1)
+            self._process_logits(reqs, logits)
+            infos = SamplingBatchInfo.build(
+                [r.sampling_params for r in reqs],
+                [r.generator for r in reqs],
+                self.vocab_size,
+                self.device,
+            )
+            next_ids = sample(logits, infos).tolist()
         now = time.time()
         for i, (req, token) in enumerate(zip(reqs, next_ids)):
             req.output_ids.append(token)
@@ -499,6 +505,19 @@ class Scheduler:
                 self._release(req)
         self.stats.generated_tokens += len(reqs)
         self.stats.window_tokens += len(reqs)
+
+    @staticmethod
+    def _plain_greedy(req: Req) -> bool:
+        """Greedy with nothing that reads or changes the logits (logprobs, bias, penalties,
+        min_tokens)."""
+        params = req.sampling_params
+        return (
+            params.is_greedy
+            and not req.return_logprob
+            and not params.logit_bias
+            and not params.has_penalties
+            and len(req.output_ids) >= params.min_new_tokens
+        )
 
     def _process_logits(self, reqs: list[Req], logits: torch.Tensor) -> None:
         """Logit bias, penalties and min_tokens, only for the rows that ask for them."""
@@ -543,7 +562,7 @@ class Scheduler:
         if start == 0:
             req.input_token_logprobs.append(None)
             req.input_top_logprobs.append(None)
-        logprobs = torch.log_softmax(self.runner.compute_logits(hidden), dim=-1)
+        logprobs = torch.log_softmax(self.runner.compute_logits(hidden).float(), dim=-1)
         for offset in range(end - start):
             pos = start + offset + 1  # the token this position predicts
             if pos >= len(prompt):

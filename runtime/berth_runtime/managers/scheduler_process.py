@@ -75,6 +75,7 @@ def run_scheduler_process(
             context_length=args.context_length,
             max_total_tokens=args.max_total_tokens,
             max_running_requests=args.max_running_requests,
+            gguf_q4_max_batch=args.gguf_q4_max_batch,
             seed=args.random_seed,
             progress=progress,
         )
@@ -101,6 +102,7 @@ def run_scheduler_process(
             "dtype": str(runner.dtype).removeprefix("torch."),
             "load_time_s": runner.load_time_s,
             "weight_bytes": runner.weight_bytes,
+            "q4_weight_bytes": runner.q4_bytes,
             "kv_bytes_per_token": runner.kv_pool.bytes_per_token,
             "max_running_requests": scheduler.max_running,
         }

@@ -271,8 +271,10 @@ class TokenizerManager:
     ) -> AsyncIterator[dict[str, Any]]:
         last_check = time.monotonic()
         while True:
+            # asyncio.timeout, not wait_for: no task per output (this runs for every token).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(state.event.wait(), timeout=DISCONNECT_POLL_S)
+                async with asyncio.timeout(DISCONNECT_POLL_S):
+                    await state.event.wait()
             # Outputs may arrive every step, so check for a vanished client by the clock.
             now = time.monotonic()
             if raw_request is not None and now - last_check >= DISCONNECT_POLL_S:

@@ -12,11 +12,14 @@ from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from berth_runtime.mem_cache.kv_pool import ReqToTokenPool, TokenToKVPool
 from berth_runtime.model_executor.forward_batch import ForwardBatch
+from berth_runtime.models.gguf_q4 import can_run_int4
 from berth_runtime.models.llama import MODEL_CLASSES, can_prepack_cpu_linears
+from berth_runtime.models.loader import Q4_GROUPS_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +97,7 @@ class ModelRunner:
         context_length: int | None = None,
         max_total_tokens: int | None = None,
         max_running_requests: int = 64,
+        gguf_q4_max_batch: int = 0,
         seed: int = 0,
         progress: LoadProgress | None = None,
     ) -> None:
@@ -121,6 +125,7 @@ class ModelRunner:
         self.prepacked = can_prepack_cpu_linears(self.dtype, self.device)
         if self.prepacked:
             model.prepack_cpu_linears()
+        self.q4_bytes = self._attach_q4(model, model_path, gguf_q4_max_batch)
         self.model = model.eval()
         self.load_time_s = time.perf_counter() - start
 
@@ -143,6 +148,22 @@ class ModelRunner:
             kv_tokens,
             kv_tokens * self.kv_pool.bytes_per_token / 2**20,
         )
+
+    def _attach_q4(self, model, model_path: str, max_batch: int) -> int:
+        """Small steps on the GGUF's own 4-bit weights, when the source kept them (see
+        `gguf_q4`); returns the bytes this adds (0 when not used)."""
+        groups_file = os.path.join(model_path, Q4_GROUPS_FILE)
+        if max_batch <= 0 or not can_run_int4(self.dtype, self.device):
+            return 0
+        if not os.path.isfile(groups_file):
+            return 0
+        added = model.attach_int4(load_file(groups_file), max_batch)
+        logger.info(
+            "Steps of <= %d tokens use the GGUF's 4-bit weights (%.0f MB more)",
+            max_batch,
+            added / 2**20,
+        )
+        return added
 
     def _default_kv_tokens(self, num_kv_heads: int, head_dim: int) -> int:
         if self.device.type != "cuda":

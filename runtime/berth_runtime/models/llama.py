@@ -11,6 +11,7 @@ from torch import nn
 
 from berth_runtime.mem_cache.kv_pool import TokenToKVPool
 from berth_runtime.model_executor.forward_batch import ForwardBatch
+from berth_runtime.models.gguf_q4 import Int4Weight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -24,8 +25,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def run_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """One projection: through oneDNN with the weight prepacked (see `prepack_cpu_linears`) when
-    it was, else `linear`."""
+    """One projection: with the GGUF's own 4-bit weights for a few rows (see `attach_int4`),
+    through oneDNN with the weight prepacked (see `prepack_cpu_linears`) when it was, else
+    `linear`."""
+    int4: Int4Weight | None = getattr(module, "berth_int4", None)
+    if int4 is not None and x.shape[0] <= int4.max_rows:
+        out = int4.matmul(x)
+        return out if module.bias is None else out + module.bias
     if module.weight.dtype != torch.float32 and getattr(module, "berth_packed", False):
         out = packed_linear(x, module.weight)
         return out if module.bias is None else out + module.bias
@@ -160,14 +166,22 @@ class LlamaAttention(nn.Module):
         values = v_cache.index_select(0, flat).view(gathered).transpose(1, 2)
 
         if batch.is_decode:
-            queries = q.unsqueeze(2)  # [B, H, 1, D]
+            # One query per sequence: fold each KV head's query heads into its query positions,
+            # [B, Hkv, H/Hkv, D], so attention reads K/V once per KV head (no GQA expansion);
+            # the same result, about a quarter less time at batch 32.
+            queries = q.reshape(batch.batch_size, self.num_kv_heads, -1, self.head_dim)
         else:
             max_q = batch.attn_mask.shape[2]
             padded = q.new_zeros(batch.batch_size, max_q, self.num_heads, self.head_dim)
             padded[batch.query_batch_index, batch.query_pos_index] = q
             queries = padded.transpose(1, 2)  # [B, H, Q, D]
         out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=batch.attn_mask, scale=self.scale, enable_gqa=True
+            queries,
+            keys,
+            values,
+            attn_mask=batch.attn_mask,
+            scale=self.scale,
+            enable_gqa=not batch.is_decode,
         )
         if batch.is_decode:
             out = out.reshape(num_tokens, self.q_size)
@@ -237,10 +251,11 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocab scores in the model's dtype (upcast by the sampler only when it must)."""
         if self.packed_lm_head is not None:
-            return packed_linear(hidden, self.packed_lm_head).float()
+            return packed_linear(hidden, self.packed_lm_head)
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return linear(hidden, weight).float()
+        return linear(hidden, weight)
 
     @torch.inference_mode()
     def prepack_cpu_linears(self) -> None:
@@ -257,6 +272,35 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.packed_lm_head = _pack(self.lm_head.weight)
             self.lm_head.weight = nn.Parameter(self.packed_lm_head, requires_grad=False)
+
+    @torch.inference_mode()
+    def attach_int4(self, groups: dict[str, torch.Tensor], max_rows: int) -> int:
+        """Give each projection its 4-bit GGUF weight (see `gguf_q4`), used for steps of at most
+        `max_rows` rows, where reading a quarter of the bytes beats bf16; larger steps keep the
+        bf16 weight. Fused q/k/v and gate/up concatenate their parts' rows. Returns the bytes
+        added; a layer whose weights are not all in `groups` keeps bf16 only."""
+        fused = {
+            "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+            "self_attn.o_proj": ("self_attn.o_proj",),
+            "mlp.down_proj": ("mlp.down_proj",),
+        }
+        added = 0
+        for i, layer in enumerate(self.layers):
+            for target, parts in fused.items():
+                names = [f"model.layers.{i}.{part}.weight" for part in parts]
+                if not all(f"{name}.codes" in groups for name in names):
+                    continue
+                weight = Int4Weight(
+                    *(
+                        torch.cat([groups[f"{name}.{field}"] for name in names])
+                        for field in ("codes", "scales", "zeros")
+                    ),
+                    max_rows=max_rows,
+                )
+                layer.get_submodule(target).berth_int4 = weight
+                added += weight.nbytes()
+        return added
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face tensors in, fusing q/k/v and gate/up projections."""

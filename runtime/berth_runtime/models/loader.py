@@ -17,8 +17,10 @@ from berth_runtime.server_args import BUILTIN_MODEL
 logger = logging.getLogger(__name__)
 
 BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# In a converted directory: the GGUF's 4-bit projection weights as they were (see gguf_q4).
+Q4_GROUPS_FILE = "q4/groups.safetensors"
 # Bump when the converted layout changes, so stale caches are rebuilt.
-CONVERSION_VERSION = "1"
+CONVERSION_VERSION = "2"
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _ARCH_BY_MODEL_TYPE = {
     "llama": ["LlamaForCausalLM"],
@@ -106,7 +108,8 @@ def convert_gguf(gguf: Path, cache_root: Path) -> Path:
     """Dequantize a GGUF file once into a Hugging Face directory under the cache.
 
     transformers dequantizes GGUF on every load (about 14 s for the embedded model); a converted
-    safetensors directory loads in well under a second.
+    safetensors directory loads in well under a second. The 4-bit (Q4_0/Q4_1) projections are
+    also kept as they were, in `Q4_GROUPS_FILE`, for small-batch decode on CPU.
     """
     stat = gguf.stat()
     key = hashlib.sha256(
@@ -120,6 +123,8 @@ def convert_gguf(gguf: Path, cache_root: Path) -> Path:
     import safetensors.torch
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from berth_runtime.models.gguf_q4 import matching_groups, read_q4_groups
 
     cache_root.mkdir(parents=True, exist_ok=True)
     # Build in a temporary sibling and rename, so concurrent servers never see a half-written dir.
@@ -139,6 +144,10 @@ def convert_gguf(gguf: Path, cache_root: Path) -> Path:
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
         safetensors.torch.save_model(model, str(tmp / "model.safetensors"))
+        groups = matching_groups(read_q4_groups(gguf), model.state_dict())
+        if groups:
+            (tmp / Q4_GROUPS_FILE).parent.mkdir()
+            safetensors.torch.save_file(groups, str(tmp / Q4_GROUPS_FILE))
         try:
             tmp.rename(target)
         except OSError:

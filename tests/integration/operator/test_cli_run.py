@@ -120,7 +120,7 @@ async def test_berth_operator_run_serves_liveness_reconciles_and_stops_on_sigter
             proc.send_signal(signal.SIGTERM)
         try:
             await asyncio.wait_for(proc.wait(), timeout=30)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             proc.kill()
             await proc.wait()
             pytest.fail("the operator did not stop on SIGTERM")

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
-import httpx
 import pytest
+from aiohttp import web
 
 from berth_runtime.bench.client import BenchConfig, run_benchmark_async
 from berth_runtime.bench.workload import BenchRequest
 
 
 class FakeServer:
-    """An OpenAI-style SSE server: one chunk per token, `gap` seconds apart, usage at the end."""
+    """An OpenAI-style SSE server on a loopback port: one chunk per token, `gap` seconds apart,
+    usage at the end."""
 
     def __init__(self, gap: float = 0.01, fail_every: int = 0, stream_error_on: int = -1) -> None:
         self.gap = gap
@@ -24,47 +26,57 @@ class FakeServer:
         self.max_in_flight = 0
         self.flushed = 0
 
-    async def __call__(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "fake-model"}]})
-        if request.url.path == "/flush_cache":
-            self.flushed += 1
-            return httpx.Response(200, json={"success": True})
-        payload = json.loads(request.content)
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/flush_cache", self.flush)
+        app.router.add_post("/v1/chat/completions", self.generate)
+        app.router.add_post("/v1/completions", self.generate)
+        return app
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "fake-model"}]})
+
+    async def flush(self, request: web.Request) -> web.Response:
+        self.flushed += 1
+        return web.json_response({"success": True})
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        payload = await request.json()
         self.payloads.append(payload)
         index = len(self.payloads)
         if self.fail_every and index % self.fail_every == 0:
-            return httpx.Response(503, json={"message": "queue full"})
-        chat = request.url.path.endswith("/chat/completions")
+            return web.json_response({"message": "queue full"}, status=503)
+        chat = request.path.endswith("/chat/completions")
         n = payload["max_tokens"]
         prompt_tokens = len(payload["messages"][0]["content"].split()) if chat else 0
-        server = self
-
-        async def body():
-            server.in_flight += 1
-            server.max_in_flight = max(server.max_in_flight, server.in_flight)
-            try:
-                if chat:
-                    yield _sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
-                for k in range(n):
-                    await asyncio.sleep(server.gap)
-                    if index == server.stream_error_on and k == 1:
-                        yield _sse({"error": {"message": "engine died"}})
-                        return
-                    piece = {"delta": {"content": f" t{k}"}} if chat else {"text": f" t{k}"}
-                    yield _sse({"choices": [{"index": 0, **piece}]})
-                usage = {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": n,
-                    "prompt_tokens_details": {"cached_tokens": 2},
-                }
-                yield _sse({"choices": [], "usage": usage})
-            finally:
-                server.in_flight -= 1
-            # The client stops reading at [DONE]: count the request done before sending it.
-            yield b"data: [DONE]\n\n"
-
-        return httpx.Response(200, content=body(), headers={"content-type": "text/event-stream"})
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if chat:
+                await response.write(
+                    _sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+                )
+            for k in range(n):
+                await asyncio.sleep(self.gap)
+                if index == self.stream_error_on and k == 1:
+                    await response.write(_sse({"error": {"message": "engine died"}}))
+                    return response
+                piece = {"delta": {"content": f" t{k}"}} if chat else {"text": f" t{k}"}
+                await response.write(_sse({"choices": [{"index": 0, **piece}]}))
+            usage = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": n,
+                "prompt_tokens_details": {"cached_tokens": 2},
+            }
+            await response.write(_sse({"choices": [], "usage": usage}))
+        finally:
+            self.in_flight -= 1
+        # The client stops reading at [DONE]: count the request done before sending it.
+        await response.write(b"data: [DONE]\n\n")
+        return response
 
 
 def _sse(obj: dict) -> bytes:
@@ -87,8 +99,17 @@ def _requests(n: int, words: int = 5, out: int = 4) -> list[BenchRequest]:
 
 
 async def run(server: FakeServer, reqs: list[BenchRequest], **cfg) -> dict:
-    config = BenchConfig(base_url="http://fake:1/v1", disable_tqdm=True, **cfg)
-    return await run_benchmark_async(config, reqs, transport=httpx.MockTransport(server))
+    runner = web.AppRunner(server.app())
+    await runner.setup()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    await web.SockSite(runner, sock).start()
+    try:
+        config = BenchConfig(base_url=f"http://127.0.0.1:{port}/v1", disable_tqdm=True, **cfg)
+        return await run_benchmark_async(config, reqs)
+    finally:
+        await runner.cleanup()
 
 
 async def test_closed_loop_streams_and_measures():

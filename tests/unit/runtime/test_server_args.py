@@ -60,11 +60,23 @@ def test_invalid_choice_is_rejected_by_argparse():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"port": 0}, {"max_running_requests": 0}, {"dp_rank": -1}, {"tp_size": 2}]
+    "kwargs",
+    [
+        {"port": 0},
+        {"max_running_requests": 0},
+        {"dp_rank": -1},
+        {"tp_size": 2},
+        {"gguf_q4_max_batch": -1},
+    ],
 )
 def test_invalid_values_raise(kwargs):
     with pytest.raises(ValueError):
         ServerArgs(**kwargs)
+
+
+def test_gguf_q4_max_batch_flag():
+    assert ServerArgs().gguf_q4_max_batch == 8
+    assert parse("--gguf-q4-max-batch", "0").gguf_q4_max_batch == 0
 
 
 def test_served_model_name():

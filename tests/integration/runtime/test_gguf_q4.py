@@ -1,0 +1,135 @@
+"""Small CPU steps on the GGUF's own 4-bit weights: the groups read from the file are exactly the
+weights transformers dequantizes, steps of at most `--gguf-q4-max-batch` tokens use them and stay
+as close to the fp32 model as the bf16 weights do, larger steps keep the bf16 path unchanged."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from berth_runtime.model_executor.forward_batch import ForwardBatch
+from berth_runtime.model_executor.model_runner import ModelRunner
+from berth_runtime.models.gguf_q4 import can_run_int4, matching_groups, read_q4_groups
+from berth_runtime.models.loader import Q4_GROUPS_FILE
+from tests.helpers import BUILTIN_GGUF, embedded_gguf_dir, embedded_model_dir, embedded_tokenizer
+
+MAX_BATCH = 4
+STEPS = 8
+
+pytestmark = pytest.mark.skipif(
+    not can_run_int4(torch.bfloat16, torch.device("cpu")),
+    reason="this PyTorch build has no CPU int4 kernel",
+)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, torch.Tensor]:
+    """The weights transformers dequantized from the GGUF (the converted checkpoint)."""
+    return load_file(os.path.join(embedded_model_dir(), "model.safetensors"))
+
+
+def test_groups_are_exactly_the_gguf_weights(reference):
+    groups = read_q4_groups(embedded_gguf_dir() / BUILTIN_GGUF)
+    # 30 layers x 7 projections, three tensors each; q/k rows un-permuted like transformers does.
+    assert len(groups) == 30 * 7 * 3
+    assert matching_groups(groups, reference).keys() == groups.keys()
+    # The conversion kept them next to the checkpoint.
+    stored = load_file(os.path.join(embedded_model_dir(), Q4_GROUPS_FILE))
+    assert stored.keys() == groups.keys()
+    assert all(torch.equal(stored[name], groups[name]) for name in groups)
+
+
+def test_a_wrong_layout_is_dropped_not_served(reference):
+    groups = read_q4_groups(embedded_gguf_dir() / BUILTIN_GGUF)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    shuffled = dict(reference)
+    shuffled[name] = reference[name].roll(1, dims=0)  # as if the q/k row order were wrong
+    kept = matching_groups(groups, shuffled)
+    assert f"{name}.codes" not in kept
+    assert len(kept) == len(groups) - 3
+
+
+@pytest.fixture(scope="module")
+def runners() -> dict[str, ModelRunner]:
+    path = embedded_model_dir()
+    return {
+        "fp32": ModelRunner(path, dtype="float32", max_total_tokens=1024),
+        "bf16": ModelRunner(path, dtype="bfloat16", max_total_tokens=1024),
+        "q4": ModelRunner(
+            path, dtype="bfloat16", max_total_tokens=1024, gguf_q4_max_batch=MAX_BATCH
+        ),
+    }
+
+
+def teacher_forced_logits(
+    runner: ModelRunner, prefix: list[int], feed: list[int], copies: int
+) -> list[torch.Tensor]:
+    """Prefill `copies` copies of `prefix` together, then decode `feed` one token a step;
+    returns each decode step's logits of the first copy (float32)."""
+    runner.kv_pool.clear()
+    table = runner.req_to_token_pool.req_to_token
+    rows = list(range(1, copies + 1))
+    n = len(prefix)
+    slots = runner.kv_pool.alloc(n * copies)
+    for i, row in enumerate(rows):
+        table[row, :n] = slots[i * n : (i + 1) * n]
+    ids = prefix * copies
+    batch = ForwardBatch.build(ids, [0] * copies, [n] * copies, slots, rows, table, runner.device)
+    runner.forward(batch)
+    out = []
+    for step, token in enumerate(feed):
+        slots = runner.kv_pool.alloc(copies)
+        table[torch.tensor(rows), n + step] = slots
+        batch = ForwardBatch.build(
+            [token] * copies, [n + step] * copies, [1] * copies, slots, rows, table, runner.device
+        )
+        out.append(runner.compute_logits(runner.forward(batch))[0].float())
+    return out
+
+
+@pytest.fixture(scope="module")
+def case(runners) -> tuple[list[int], list[int]]:
+    """A chat prompt (longer than MAX_BATCH tokens, so its prefill is a bf16 step) and the fp32
+    model's greedy continuation."""
+    prompt = embedded_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+    )
+    if not isinstance(prompt, list):
+        prompt = prompt["input_ids"]
+    tokens: list[int] = []
+    for _ in range(STEPS):
+        feed = [prompt[-1], *tokens]
+        tokens.append(
+            int(teacher_forced_logits(runners["fp32"], prompt[:-1], feed, 1)[-1].argmax())
+        )
+    return prompt, tokens
+
+
+def test_q4_decode_is_as_close_to_fp32_as_bf16(runners, case):
+    prompt, tokens = case
+    prefix, feed = prompt[:-1], [prompt[-1], *tokens[:-1]]
+    assert len(prefix) > MAX_BATCH
+    fp32 = teacher_forced_logits(runners["fp32"], prefix, feed, 1)
+    bf16 = teacher_forced_logits(runners["bf16"], prefix, feed, 1)
+    q4 = teacher_forced_logits(runners["q4"], prefix, feed, 1)
+    for ref, plain, small in zip(fp32, bf16, q4):
+        bf16_error = (plain - ref).abs().max().item()
+        q4_error = (small - ref).abs().max().item()
+        assert q4_error <= 2 * bf16_error + 0.05, (q4_error, bf16_error)
+        assert not torch.equal(small, plain)  # the 4-bit path really ran
+    # Greedy on the 4-bit weights follows the fp32 model.
+    assert [int(step.argmax()) for step in q4] == tokens
+
+
+def test_steps_above_the_limit_keep_bf16(runners, case):
+    prompt, tokens = case
+    prefix, feed = prompt[:-1], [prompt[-1], *tokens[:2]]
+    above = teacher_forced_logits(runners["q4"], prefix, feed, MAX_BATCH + 1)
+    plain = teacher_forced_logits(runners["bf16"], prefix, feed, MAX_BATCH + 1)
+    for a, b in zip(above, plain):
+        assert torch.equal(a, b)
+    assert runners["q4"].q4_bytes > 0 and runners["bf16"].q4_bytes == 0
