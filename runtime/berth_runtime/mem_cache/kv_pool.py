@@ -22,15 +22,16 @@ class TokenToKVPool:
         device: torch.device,
     ) -> None:
         self.size = size
-        shape = (num_layers, size + 1, num_kv_heads, head_dim)
-        self.k_buffer = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_buffer = torch.zeros(shape, dtype=dtype, device=device)
+        # One tensor per layer holding a slot's K heads then its V heads: a step writes and
+        # gathers both with one op.
+        shape = (num_layers, size + 1, 2 * num_kv_heads, head_dim)
+        self.kv_buffer = torch.zeros(shape, dtype=dtype, device=device)
         self.device = device
         self.free_slots = torch.arange(1, size + 1, dtype=torch.int64, device=device)
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.k_buffer[:, 0].numel() * self.k_buffer.element_size()
+        return self.kv_buffer[:, 0].numel() * self.kv_buffer.element_size()
 
     def available_size(self) -> int:
         return int(self.free_slots.numel())
