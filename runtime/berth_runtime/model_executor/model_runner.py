@@ -177,6 +177,7 @@ class ModelRunner:
         return self.model(batch, self.kv_pool)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocab scores [rows, V] in the model's dtype; callers upcast when they need fp32."""
         return self.model.compute_logits(hidden)
 
 

@@ -283,7 +283,8 @@ class LlamaForCausalLM(nn.Module):
         `max_rows` rows, where reading a quarter of the bytes beats bf16; larger steps keep the
         bf16 weight. Fused q/k/v and gate/up concatenate their parts' rows. Returns the bytes
         added; a layer whose weights are not all in `groups` keeps bf16 only."""
-        fused = {
+        # Our projection -> the checkpoint projections it is made of, in row order.
+        projections = {
             "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
             "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
             "self_attn.o_proj": ("self_attn.o_proj",),
@@ -291,7 +292,7 @@ class LlamaForCausalLM(nn.Module):
         }
         added = 0
         for i, layer in enumerate(self.layers):
-            for target, parts in fused.items():
+            for target, parts in projections.items():
                 names = [f"model.layers.{i}.{part}.weight" for part in parts]
                 if not all(f"{name}.codes" in groups for name in names):
                     continue
