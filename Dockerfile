@@ -65,6 +65,15 @@ COPY pyproject.toml README.md /src/
 COPY runtime /src/runtime
 COPY operator /src/operator
 RUN uv pip install --no-deps /src
+# CPU: prebuild Berth's C++ CPU kernels for every SIMD level (AVX-512, AVX2, plain), so that pods
+# need no compiler; the runtime picks the one for the CPU it lands on from $BERTH_KERNELS_DIR.
+RUN mkdir -p /opt/berth-kernels \
+    && if [ "${VARIANT}" = "cpu" ]; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
+        && rm -rf /var/lib/apt/lists/* \
+        && python -m berth_runtime.kernels.cpu --all /opt/berth-kernels; \
+    fi
 
 # hadolint ignore=DL3006
 FROM base-${VARIANT} AS runtime
@@ -72,10 +81,12 @@ RUN groupadd --gid 10001 berth \
     && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin berth
 COPY --from=runtime-build /opt/python /opt/python
 COPY --from=runtime-build /opt/venv /opt/venv
+COPY --from=runtime-build /opt/berth-kernels /opt/berth-kernels
 ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp \
-    BERTH_CACHE_DIR=/var/cache/berth
+    BERTH_CACHE_DIR=/var/cache/berth \
+    BERTH_KERNELS_DIR=/opt/berth-kernels
 USER 10001:10001
 EXPOSE 8000
 ENTRYPOINT ["berth"]

@@ -47,6 +47,16 @@ class ServerArgs(DataclassCli):
             "(a quarter of the bytes; larger steps use bf16); 0 turns it off."
         },
     )
+    attention_backend: Literal["auto", "torch_native", "berth_cpu"] = field(
+        default="auto",
+        metadata={
+            "help": "Kernels for attention and RMSNorm. berth_cpu: Berth's C++ CPU kernels, "
+            "built once on first start and cached (decode attention reads K/V in place through "
+            "slot indices; fused RMSNorm); needs a C++ compiler. torch_native: eager PyTorch "
+            "(a K/V gather + SDPA), any device. auto = berth_cpu on CPU when the kernels build "
+            "there (else torch_native, with a warning), torch_native on CUDA."
+        },
+    )
     device: Literal["auto", "cpu", "cuda"] = field(
         default="auto", metadata={"help": "Device to run the model on; auto = cuda if available."}
     )

@@ -142,6 +142,7 @@ def launch_server(args: ServerArgs) -> int:
     try:
         _precheck_model(args)
         _precheck_device(args)
+        _precheck_attention_backend(args)
     except ValueError as e:  # ModelSourceError included
         print(f"berth serve: error: {e}", file=sys.stderr)
         return 2
@@ -289,3 +290,17 @@ async def _watch_children(engine: Engine, server: BerthServer) -> None:
         if reason is not None:
             server.fail(reason)
             return
+
+
+def _precheck_attention_backend(args: ServerArgs) -> None:
+    """An explicit berth_cpu must be able to run (auto falls back instead); cheap checks only,
+    the scheduler builds and loads the kernels."""
+    if args.attention_backend != "berth_cpu":
+        return
+    if args.device == "cuda":
+        raise ValueError("--attention-backend berth_cpu runs on CPU only, not with --device cuda")
+    from berth_runtime.kernels.cpu import toolchain_problem
+
+    problem = toolchain_problem()
+    if problem is not None:
+        raise ValueError(f"--attention-backend berth_cpu: {problem}")

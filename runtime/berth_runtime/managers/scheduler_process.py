@@ -76,6 +76,8 @@ def run_scheduler_process(
             max_total_tokens=args.max_total_tokens,
             max_running_requests=args.max_running_requests,
             gguf_q4_max_batch=args.gguf_q4_max_batch,
+            attention_backend=args.attention_backend,
+            cache_dir=args.model_cache_dir,
             seed=args.random_seed,
             progress=progress,
         )
@@ -103,6 +105,7 @@ def run_scheduler_process(
             "load_time_s": runner.load_time_s,
             "weight_bytes": runner.weight_bytes,
             "q4_weight_bytes": runner.q4_bytes,
+            "attention_backend": runner.attention_backend,
             "kv_bytes_per_token": runner.kv_pool.bytes_per_token,
             "max_running_requests": scheduler.max_running,
         }

@@ -22,6 +22,7 @@ class ForwardBatch:
     attn_mask: torch.Tensor  # [B, 1, Q, L] bool, True = may attend (Q = 1 for decode)
     last_token_index: torch.Tensor  # [B] row in T of each sequence's last new token
     is_decode: bool
+    seq_lens: torch.Tensor  # [B] tokens of each sequence in the KV cache after this step
     # Extend only: where each of the T rows sits in the padded [B, Q] query layout.
     query_batch_index: torch.Tensor | None = None
     query_pos_index: torch.Tensor | None = None
@@ -55,7 +56,9 @@ class ForwardBatch:
             positions = seq_lens_t - 1
             attn_mask = (key_pos[None, :] < seq_lens_t[:, None])[:, None, None, :]
             last = torch.arange(batch_size, device=device)
-            return cls(input_ids_t, positions, out_cache_loc, kv_indices, attn_mask, last, True)
+            return cls(
+                input_ids_t, positions, out_cache_loc, kv_indices, attn_mask, last, True, seq_lens_t
+            )
 
         extend_t = torch.tensor(extend_lens, dtype=torch.int64, device=device)
         prefix_t = torch.tensor(prefix_lens, dtype=torch.int64, device=device)
@@ -78,6 +81,7 @@ class ForwardBatch:
             attn_mask[:, None],
             last,
             False,
+            seq_lens_t,
             query_batch_index,
             query_pos_index,
         )

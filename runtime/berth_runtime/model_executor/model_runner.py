@@ -9,17 +9,19 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
+from berth_runtime.kernels import cpu as cpu_kernels
 from berth_runtime.mem_cache.kv_pool import ReqToTokenPool, TokenToKVPool
 from berth_runtime.model_executor.forward_batch import ForwardBatch
 from berth_runtime.models.gguf_q4 import can_run_int4
 from berth_runtime.models.llama import MODEL_CLASSES, can_prepack_cpu_linears
-from berth_runtime.models.loader import Q4_GROUPS_FILE
+from berth_runtime.models.loader import Q4_GROUPS_FILE, default_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,8 @@ class ModelRunner:
         max_total_tokens: int | None = None,
         max_running_requests: int = 64,
         gguf_q4_max_batch: int = 0,
+        attention_backend: str = "auto",
+        cache_dir: str | None = None,
         seed: int = 0,
         progress: LoadProgress | None = None,
     ) -> None:
@@ -126,6 +130,7 @@ class ModelRunner:
         if self.prepacked:
             model.prepack_cpu_linears()
         self.q4_bytes = self._attach_q4(model, model_path, gguf_q4_max_batch)
+        self.attention_backend = self._enable_kernels(model, attention_backend, cache_dir)
         self.model = model.eval()
         self.load_time_s = time.perf_counter() - start
 
@@ -164,6 +169,29 @@ class ModelRunner:
             added / 2**20,
         )
         return added
+
+    def _enable_kernels(self, model, backend: str, cache_dir: str | None) -> str:
+        """Resolve --attention-backend to `berth_cpu` or `torch_native` and set the model up for
+        it; an explicit berth_cpu that cannot run here is an error, auto falls back."""
+        if backend == "torch_native" or (backend == "auto" and self.device.type != "cpu"):
+            return "torch_native"
+        if self.device.type != "cpu":
+            raise ValueError("--attention-backend berth_cpu runs on CPU only")
+        try:
+            cpu_kernels.load(Path(cache_dir) if cache_dir else default_cache_dir())
+        except cpu_kernels.KernelBuildError as e:
+            if backend == "berth_cpu":
+                raise ValueError(f"--attention-backend berth_cpu: {e}") from e
+            logger.warning("CPU kernels unavailable (%s); using torch_native attention", e)
+            return "torch_native"
+        attn = model.layers[0].self_attn
+        decode = cpu_kernels.decode_attention_supports(
+            attn.num_heads, attn.num_kv_heads, attn.head_dim
+        )
+        if not decode:
+            logger.info("Decode attention shape not built into the CPU kernels; using SDPA")
+        model.enable_cpu_kernels(decode_attention=decode)
+        return "berth_cpu"
 
     def _default_kv_tokens(self, num_kv_heads: int, head_dim: int) -> int:
         if self.device.type != "cuda":

@@ -61,13 +61,26 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm, optionally after adding the residual stream: `forward(x, residual)` returns
+    (norm(x + residual), x + residual), the pair each decoder layer needs."""
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.use_cpu_kernel = False  # set by LlamaForCausalLM.enable_cpu_kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.use_cpu_kernel:
+            # One pass instead of PyTorch's decomposed bf16 norm (five kernels and an fp32 copy).
+            if residual is None:
+                return torch.ops.berth.rms_norm(x, self.weight, self.eps), x
+            return torch.ops.berth.add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = x + residual
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps), x
 
 
 def rope_inv_freq(config) -> torch.Tensor:
@@ -144,6 +157,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
+        self.use_decode_kernel = False  # set by LlamaForCausalLM.enable_cpu_kernels
 
     def forward(
         self,
@@ -162,6 +176,12 @@ class LlamaAttention(nn.Module):
 
         kv_cache = kv_pool.kv_buffer[self.layer_id]  # [slots, K heads + V heads, D]
         kv_cache.index_copy_(0, batch.out_cache_loc, qkv[:, self.num_heads :])
+        if batch.is_decode and self.use_decode_kernel:
+            # Reads each sequence's K/V in place through its slots: no gather, no padding.
+            out = torch.ops.berth.decode_attention(
+                q, kv_cache, batch.kv_indices, batch.seq_lens, self.scale
+            )
+            return run_linear(self.o_proj, out.view(num_tokens, self.q_size))
         # index_select on the flat slot axis is several times faster than advanced indexing.
         flat = batch.kv_indices.view(-1)
         shape = (batch.batch_size, batch.kv_indices.shape[1], 2 * self.num_kv_heads, -1)
@@ -220,12 +240,17 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         batch: ForwardBatch,
         rope: RopeTables,
         kv_pool: TokenToKVPool,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, rope, kv_pool)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the caller, or the next
+        layer's norm, adds the two, so each residual add is fused into a norm."""
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, batch, rope, kv_pool)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -249,9 +274,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_pool: TokenToKVPool) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids)
         rope = self.rotary.tables(batch.positions, hidden.dtype)
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, batch, rope, kv_pool)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, batch, rope, kv_pool)
+        return self.norm(hidden, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -260,6 +286,15 @@ class LlamaForCausalLM(nn.Module):
             return packed_linear(hidden, self.packed_lm_head)
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return linear(hidden, weight)
+
+    def enable_cpu_kernels(self, decode_attention: bool) -> None:
+        """Run every RMSNorm, and decode attention when `decode_attention`, on Berth's C++ CPU
+        kernels (`berth_runtime.kernels.cpu`, loaded by the caller)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.use_cpu_kernel = True
+            elif isinstance(module, LlamaAttention):
+                module.use_decode_kernel = decode_attention
 
     @torch.inference_mode()
     def prepack_cpu_linears(self) -> None:

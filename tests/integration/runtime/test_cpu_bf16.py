@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from berth_runtime.model_executor import model_runner
-from berth_runtime.model_executor.forward_batch import ForwardBatch
 from berth_runtime.model_executor.model_runner import ModelRunner, cpu_has_native_bf16
 from berth_runtime.models.llama import can_prepack_cpu_linears
 from tests.helpers import embedded_model_dir, embedded_tokenizer
+from tests.integration.runtime.engine_steps import greedy_run
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
 STEPS = 12
@@ -21,36 +21,6 @@ def test_auto_dtype_follows_the_cpu():
     expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     assert model_runner.resolve_dtype("auto", torch.device("cpu")) is expected
     assert model_runner.resolve_dtype("float32", torch.device("cpu")) is torch.float32
-
-
-def greedy_run(runner: ModelRunner, prompts: list[list[int]], steps: int):
-    """Prefill every prompt in one batch, then decode them together; returns the prefill logits of
-    each prompt's last token and every sequence's greedy tokens."""
-    table = runner.req_to_token_pool.req_to_token
-    rows = list(range(1, len(prompts) + 1))
-    lens = [len(p) for p in prompts]
-    slots = runner.kv_pool.alloc(sum(lens))
-    offset = 0
-    for row, n in zip(rows, lens):
-        table[row, :n] = slots[offset : offset + n]
-        offset += n
-    ids = [t for p in prompts for t in p]
-    batch = ForwardBatch.build(ids, [0] * len(prompts), lens, slots, rows, table, runner.device)
-    hidden = runner.forward(batch)
-    logits = runner.compute_logits(hidden[batch.last_token_index])
-    first = logits.clone()
-    tokens = [[int(t)] for t in logits.argmax(-1)]
-    for _ in range(steps):
-        slots = runner.kv_pool.alloc(len(prompts))
-        table[torch.tensor(rows), torch.tensor(lens)] = slots
-        last = [seq[-1] for seq in tokens]
-        ones = [1] * len(prompts)
-        batch = ForwardBatch.build(last, lens, ones, slots, rows, table, runner.device)
-        logits = runner.compute_logits(runner.forward(batch))
-        lens = [n + 1 for n in lens]
-        for seq, t in zip(tokens, logits.argmax(-1).tolist()):
-            seq.append(t)
-    return first, tokens
 
 
 def load(dtype: str) -> ModelRunner:

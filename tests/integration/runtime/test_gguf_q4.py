@@ -116,13 +116,20 @@ def test_q4_decode_is_as_close_to_fp32_as_bf16(runners, case):
     fp32 = teacher_forced_logits(runners["fp32"], prefix, feed, 1)
     bf16 = teacher_forced_logits(runners["bf16"], prefix, feed, 1)
     q4 = teacher_forced_logits(runners["q4"], prefix, feed, 1)
-    for ref, plain, small in zip(fp32, bf16, q4):
+    decided = 0
+    for ref, plain, small, token in zip(fp32, bf16, q4, tokens):
         bf16_error = (plain - ref).abs().max().item()
         q4_error = (small - ref).abs().max().item()
         assert q4_error <= 2 * bf16_error + 0.05, (q4_error, bf16_error)
         assert not torch.equal(small, plain)  # the 4-bit path really ran
-    # Greedy on the 4-bit weights follows the fp32 model.
-    assert [int(step.argmax()) for step in q4] == tokens
+        # Greedy on the 4-bit weights follows the fp32 model wherever fp32's choice is not a
+        # near-tie that bf16 rounding alone can flip (the France answer opens on one: "The" vs
+        # "L", 0.09 apart, which each bf16 kernel choice breaks its own way).
+        top2 = ref.topk(2).values
+        if (top2[0] - top2[1]).item() > 2 * bf16_error:
+            decided += 1
+            assert int(small.argmax()) == token
+    assert decided >= STEPS // 2, "too few steps where fp32's choice is clear"
 
 
 def test_steps_above_the_limit_keep_bf16(runners, case):

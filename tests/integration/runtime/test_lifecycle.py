@@ -59,6 +59,17 @@ def test_missing_cuda_is_a_one_line_error():
     )
 
 
+def test_berth_cpu_backend_without_a_compiler_is_a_one_line_error(monkeypatch):
+    monkeypatch.setenv("CXX", "/no/such/c++")
+    monkeypatch.delenv("BERTH_KERNELS_DIR", raising=False)
+    result = serve_fails("--attention-backend", "berth_cpu")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "berth serve: error: --attention-backend berth_cpu: no C++ compiler (/no/such/c++) on "
+        "PATH and no prebuilt kernels in $BERTH_KERNELS_DIR"
+    )
+
+
 def test_bad_flag_value_is_a_usage_error():
     result = serve_fails("--max-running-requests", "0")
     assert result.returncode == 2

@@ -79,6 +79,14 @@ def test_gguf_q4_max_batch_flag():
     assert parse("--gguf-q4-max-batch", "0").gguf_q4_max_batch == 0
 
 
+def test_attention_backend_flag():
+    assert ServerArgs().attention_backend == "auto"
+    assert parse("--attention-backend", "torch_native").attention_backend == "torch_native"
+    assert parse("--attention-backend", "berth_cpu").attention_backend == "berth_cpu"
+    with pytest.raises(SystemExit):
+        parse("--attention-backend", "flashinfer")
+
+
 def test_served_model_name():
     assert ServerArgs().model_name == "smollm2-135m-instruct"
     assert ServerArgs(model="/models/Llama-3-8B/").model_name == "Llama-3-8B"

@@ -1,0 +1,1 @@
+"""Native kernels Berth builds itself where eager PyTorch has none that fit (see `cpu`)."""
