@@ -21,8 +21,9 @@ examples:
 """
 
 COMPARE_EPILOG = """\
-The quick default finishes in a few minutes on 2 cores; --full runs more prompts per scenario and
-both dtypes for the baseline. `make bench BENCH_ARGS="--full"` does the same.
+The quick default (two rounds, Berth first then the baseline first) finishes in about five
+minutes on 2 cores; --full runs three rounds, more prompts per scenario and both dtypes for the
+baseline. `make bench BENCH_ARGS="--full"` does the same.
 """
 
 
@@ -165,6 +166,12 @@ def compare_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=_positive, help="output tokens (128)")
     p.add_argument("--prefix-len", type=_positive, help="shared prefix tokens (2000)")
     p.add_argument("--prefix-groups", type=_positive, help="shared-prefix pairs (quick 1)")
+    p.add_argument(
+        "--rounds",
+        type=_positive,
+        help="measure everything this many times, alternating which system goes first; "
+        "targets are judged on the medians (quick 2, full 3)",
+    )
     p.add_argument("--skip-berth", action="store_true")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-llama-cpp", action="store_true")
@@ -255,7 +262,14 @@ def run_main(argv: list[str]) -> int:
 
 def compare_main(argv: list[str]) -> int:
     args = compare_parser().parse_args(argv)
-    from berth_runtime.bench.compare import SCENARIOS, CompareConfig, compare, render, write_report
+    from berth_runtime.bench.compare import (
+        SCENARIOS,
+        CompareConfig,
+        compare,
+        failed_berth_runs,
+        render,
+        write_report,
+    )
 
     unknown = [s for s in args.scenarios if s not in SCENARIOS]
     if unknown:
@@ -274,6 +288,7 @@ def compare_main(argv: list[str]) -> int:
         "output_len": args.output_len,
         "prefix_len": args.prefix_len,
         "prefix_groups": args.prefix_groups,
+        "rounds": args.rounds,
     }
     for key, value in overrides.items():
         if value is not None:
@@ -288,8 +303,7 @@ def compare_main(argv: list[str]) -> int:
     if args.output_file:
         write_report(report, args.output_file)
         print(f"[bench] wrote {args.output_file}", file=sys.stderr)
-    failed = [d for d, r in (report.get("berth") or {}).items() if "error" in r]
-    return 1 if failed else 0
+    return 1 if failed_berth_runs(report) else 0
 
 
 def _without_requests(result: dict[str, Any]) -> dict[str, Any]:

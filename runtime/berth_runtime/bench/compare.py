@@ -9,14 +9,21 @@ Scenarios follow the targets of issue 3 (48-token chat prompts, 128 output token
 * memory: the Berth server's RSS summed over all its processes (peak while benchmarking).
 
 llama.cpp's server is measured too when `llama-server` or `llama_cpp.server` is installed.
+
+A shared machine's speed drifts over minutes (other tenants' memory traffic), so the whole
+comparison runs in rounds that alternate the order of the systems (Berth first, then the baseline
+first, ...): a drift that favours whichever runs first cancels out, and each target is judged on
+the median over the rounds, with every round's value shown beside it.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -68,11 +75,13 @@ class CompareConfig:
     run_llama_cpp: bool = True
     seed: int = 0
     disable_tqdm: bool = False
+    rounds: int = 2
 
     @classmethod
     def full(cls) -> CompareConfig:
         """The full run: more prompts per scenario, both dtypes for the baseline."""
         return cls(
+            rounds=3,
             num_single=10,
             num_c8=32,
             num_c32=128,
@@ -426,8 +435,24 @@ def scenario_table(report: dict[str, Any]) -> str:
     return table
 
 
+# How a target's goal reads and is judged: (comparison, threshold, unit).
+Goal = tuple[str, float, str]
+_OPS = {">=": operator.ge, "<=": operator.le, "<": operator.lt}
+
+
+def _goal_text(goal: Goal) -> str:
+    op, threshold, unit = goal
+    return f"{op} {threshold:g}{unit}" if unit == "x" else f"{op} {threshold:g} {unit}"
+
+
+def _judge(value: float | None, goal: Goal) -> bool | None:
+    if value is None or math.isnan(value):
+        return None
+    return _OPS[goal[0]](value, goal[1])
+
+
 def target_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets, one row each per Berth dtype."""
+    """The issue's targets for one round, one row each per Berth dtype."""
     hf = report.get("hf") or {}
     rows: list[dict[str, Any]] = []
     for dtype, berth in (report.get("berth") or {}).items():
@@ -440,14 +465,13 @@ def target_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
             what: str,
             ours: Any,
             base: Any,
-            goal: str,
-            check: Callable[[float], bool],
+            goal: Goal,
             by_ratio: bool = True,
+            ratio: float | None = None,
             tag: str = tag,
         ) -> None:
-            ratio = _ratio(ours, base) if by_ratio else None
-            value = ratio if by_ratio else ours
-            met = None if value is None or math.isnan(value) else check(value)
+            if by_ratio and ratio is None:
+                ratio = _ratio(ours, base)
             rows.append(
                 {
                     "system": tag,
@@ -455,8 +479,9 @@ def target_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
                     "berth": ours,
                     "baseline": base,
                     "ratio": ratio,
-                    "goal": goal,
-                    "met": met,
+                    "goal": _goal_text(goal),
+                    "goal_spec": list(goal),
+                    "met": _judge(ratio if by_ratio else ours, goal),
                 }
             )
 
@@ -466,55 +491,88 @@ def target_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
                     f"{n} concurrent: output tok/s vs HF bf16 static batch {n}",
                     scen[name]["output_throughput"],
                     _get(hf, "bf16", "scenarios", name, "output_throughput"),
-                    ">= 1.3x",
-                    lambda r: r >= 1.3,
+                    (">=", 1.3, "x"),
                 )
         if "single" in scen:
             add(
                 "single stream: decode tok/s vs HF fp32 sequential",
                 scen["single"]["decode_tok_s"]["mean"],
                 _get(hf, "fp32", "scenarios", "single", "decode_tok_s", "mean"),
-                ">= 1.5x",
-                lambda r: r >= 1.5,
+                (">=", 1.5, "x"),
             )
             add(
                 "single stream: TTFT p50 ms (HF fp32 alongside)",
                 scen["single"]["ttft_ms"]["p50"],
                 _get(hf, "fp32", "scenarios", "single", "ttft_ms", "p50"),
-                "< 100 ms",
-                lambda v: v < 100,
+                ("<", 100, "ms"),
                 by_ratio=False,
             )
         if "prefix" in scen:
-            rows.append(
-                {
-                    "system": tag,
-                    "target": f"shared {report['config']['prefix_len']}-token prefix: "
-                    "2nd TTFT / 1st TTFT",
-                    "berth": scen["prefix"]["second_ttft_ms"],
-                    "baseline": scen["prefix"]["first_ttft_ms"],
-                    "ratio": scen["prefix"]["ratio"],
-                    "goal": "<= 0.2x",
-                    "met": None
-                    if math.isnan(scen["prefix"]["ratio"])
-                    else scen["prefix"]["ratio"] <= 0.2,
-                }
+            add(
+                f"shared {report['config']['prefix_len']}-token prefix: 2nd TTFT / 1st TTFT",
+                scen["prefix"]["second_ttft_ms"],
+                scen["prefix"]["first_ttft_ms"],
+                ("<=", 0.2, "x"),
+                ratio=scen["prefix"]["ratio"],
             )
         add(
             "memory: peak server RSS MiB, all processes",
             _get(berth, "memory", "peak_rss_mib"),
             None,
-            "< 2048 MiB",
-            lambda v: v < 2048,
+            ("<", 2048, "MiB"),
             by_ratio=False,
         )
     return rows
 
 
+def _median(values: list[Any]) -> float | None:
+    numbers = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(numbers) if numbers else None
+
+
+def summarize_targets(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per target over every round: the median of each round's ratio (or value), judged
+    against the goal, with the per-round figures under `rounds`. Memory takes the highest
+    peak instead: a limit holds only if it held in every round."""
+    grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for rows in rounds:
+        for row in rows:
+            grouped.setdefault((row["system"], row["target"]), []).append(row)
+    out = []
+    for (system, target), rows in grouped.items():
+        goal: Goal = tuple(rows[0]["goal_spec"])  # type: ignore[assignment]
+        by_ratio = goal[2] == "x"
+        if target.startswith("memory"):
+            peaks = [r["berth"] for r in rows if r["berth"] is not None]
+            ours = max(peaks) if peaks else None
+        else:
+            ours = _median([r["berth"] for r in rows])
+        ratio = _median([r["ratio"] for r in rows]) if by_ratio else None
+        out.append(
+            {
+                "system": system,
+                "target": target,
+                "berth": ours,
+                "baseline": _median([r["baseline"] for r in rows]),
+                "ratio": ratio,
+                "goal": rows[0]["goal"],
+                "goal_spec": list(goal),
+                "met": _judge(ratio if by_ratio else ours, goal),
+                "rounds": [r["ratio"] if by_ratio else r["berth"] for r in rows],
+                "rounds_by_ratio": by_ratio,
+            }
+        )
+    return out
+
+
 def targets_table(rows: list[dict[str, Any]]) -> str:
+    """The targets; with rounds, the figures are medians and `Rounds` lists each round's."""
+    with_rounds = any("rounds" in row for row in rows)
     header = ["System", "Target", "Berth", "Baseline", "Ratio", "Goal", "Met"]
-    body = [
-        [
+    header += ["Rounds"] if with_rounds else []
+    body = []
+    for row in rows:
+        line = [
             row["system"],
             row["target"],
             _num(row["berth"]),
@@ -523,8 +581,10 @@ def targets_table(rows: list[dict[str, Any]]) -> str:
             row["goal"],
             {True: "yes", False: "NO", None: "-"}[row["met"]],
         ]
-        for row in rows
-    ]
+        if with_rounds:
+            digits, suffix = (2, "x") if row.get("rounds_by_ratio") else (0, "")
+            line.append(" / ".join(_num(v, digits, suffix) for v in row.get("rounds", [])))
+        body.append(line)
     return _table(header, body)
 
 
@@ -537,11 +597,20 @@ def render(report: dict[str, Any]) -> str:
         f"{cfg['output_len']} output tokens, greedy, ignore_eos; "
         f"client and server share the machine"
     )
-    parts = [head, "", scenario_table(report)]
+    parts = [head]
+    rounds = report.get("rounds") or [report]
+    for index, one in enumerate(rounds):
+        if len(rounds) > 1:
+            parts += ["", f"Round {index + 1} of {len(rounds)}: {' -> '.join(one['order'])}"]
+        parts += ["", scenario_table({**report, **one})]
     if report.get("targets"):
-        parts += ["", "Targets (issue 3)", targets_table(report["targets"])]
+        title = "Targets (issue 3)"
+        if len(rounds) > 1:
+            title += f": medians over {len(rounds)} rounds (memory: the highest peak)"
+        parts += ["", title, targets_table(report["targets"])]
     memory_lines = []
-    for dtype, res in (report.get("berth") or {}).items():
+    last = rounds[-1]
+    for dtype, res in (last.get("berth") or {}).items():
         mem = res.get("memory")
         if mem:
             idle = res.get("idle_memory_mib") or {}
@@ -555,7 +624,7 @@ def render(report: dict[str, Any]) -> str:
                     f"  idle: {proc['title']:<60} RSS {_num(proc['rss_mib']):>8} MiB, "
                     f"PSS {_num(proc['pss_mib']):>8} MiB"
                 )
-    for dtype, res in (report.get("hf") or {}).items():
+    for dtype, res in (last.get("hf") or {}).items():
         mems = [r.get("process_memory") for r in res["scenarios"].values()]
         peak = max((m["peak_rss_mib"] for m in mems if m), default=None)
         memory_lines.append(
@@ -563,14 +632,35 @@ def render(report: dict[str, Any]) -> str:
             "included; the models of earlier dtypes may still be counted)"
         )
     if memory_lines:
-        parts += ["", "Memory", *memory_lines]
+        title = "Memory" + (f" (round {len(rounds)})" if len(rounds) > 1 else "")
+        parts += ["", title, *memory_lines]
     for note in report.get("notes", []):
         parts.append(f"note: {note}")
     return "\n".join(parts)
 
 
+def run_round(
+    cfg: CompareConfig, scenarios: list[Scenario], tokenizer: Any, baseline_first: bool
+) -> dict[str, Any]:
+    """Every configured system once, in this round's order; {system: results, "order": [...]}."""
+    runners: list[tuple[str, str, Callable[[], Any]]] = []
+    if cfg.run_berth:
+        runners.append(("berth", "Berth", lambda: run_berth(cfg, scenarios, tokenizer)))
+    if cfg.run_llama_cpp:
+        runners.append(("llama_cpp", "llama.cpp", lambda: run_llama_cpp(cfg, scenarios, tokenizer)))
+    if cfg.run_hf:
+        runners.append(("hf", "HF", lambda: run_hf(cfg, scenarios)))
+    if baseline_first:
+        runners.reverse()
+    one: dict[str, Any] = {"order": [label for _, label, _ in runners]}
+    for key, _, run in runners:
+        one[key] = run()
+    return one
+
+
 def compare(cfg: CompareConfig) -> dict[str, Any]:
-    """Measure everything configured; the report dict (render() prints it)."""
+    """Measure everything configured, in `cfg.rounds` rounds; the report dict (render() prints
+    it): `rounds` holds each round's results, `targets` the medians over them."""
     import torch
 
     started = time.time()
@@ -598,17 +688,26 @@ def compare(cfg: CompareConfig) -> dict[str, Any]:
         ],
         "notes": [],
     }
-    if cfg.run_berth:
-        report["berth"] = run_berth(cfg, scenarios, tokenizer)
-    if cfg.run_llama_cpp:
-        report["llama_cpp"] = run_llama_cpp(cfg, scenarios, tokenizer)
-        if report["llama_cpp"] is None:
-            report["notes"].append("llama.cpp server not installed: not measured")
-    if cfg.run_hf:
-        report["hf"] = run_hf(cfg, scenarios)
-    report["targets"] = target_rows(report)
+    rounds = []
+    for index in range(max(1, cfg.rounds)):
+        log(f"round {index + 1} of {cfg.rounds}")
+        one = run_round(cfg, scenarios, tokenizer, baseline_first=index % 2 == 1)
+        one["targets"] = target_rows({**report, **one})
+        rounds.append(one)
+    report["rounds"] = rounds
+    if cfg.run_llama_cpp and all(one.get("llama_cpp") is None for one in rounds):
+        report["notes"].append("llama.cpp server not installed: not measured")
+    report["targets"] = summarize_targets([one["targets"] for one in rounds])
     report["duration_s"] = time.time() - started
     return report
+
+
+def failed_berth_runs(report: dict[str, Any]) -> list[str]:
+    """The Berth dtypes whose server failed in any round."""
+    rounds = report.get("rounds") or [report]
+    return sorted(
+        {d for one in rounds for d, r in (one.get("berth") or {}).items() if "error" in r}
+    )
 
 
 def write_report(report: dict[str, Any], path: str) -> None:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from berth_runtime.bench.compare import CompareConfig, prefix_ttfts, render, target_rows
+from berth_runtime.bench.compare import (
+    CompareConfig,
+    failed_berth_runs,
+    prefix_ttfts,
+    render,
+    summarize_targets,
+    target_rows,
+)
 from berth_runtime.bench.metrics import RequestResult, summarize
 
 
@@ -130,3 +137,57 @@ def test_render_prints_every_system_and_target():
         "llama.cpp server not installed",
     ):
         assert needle in text, needle
+
+
+def scaled_round(report: dict, berth_c32_tok_s: float, peak_rss: float, order: list) -> dict:
+    """A copy of the fake report's systems with Berth's c32 throughput and peak RSS changed."""
+    import copy
+
+    one = {key: copy.deepcopy(report[key]) for key in ("berth", "hf")}
+    c32 = one["berth"]["auto"]["scenarios"]["c32"]
+    c32["output_throughput"] = berth_c32_tok_s
+    one["berth"]["auto"]["memory"]["peak_rss_mib"] = peak_rss
+    one["order"] = order
+    return one
+
+
+def test_rounds_are_judged_on_the_median_and_memory_on_the_highest_peak():
+    report = fake_report()
+    baseline = 4096 / 9.2
+    rounds = [
+        scaled_round(report, 1.2 * baseline, 1500.0, ["Berth", "HF"]),
+        scaled_round(report, 1.5 * baseline, 2100.0, ["HF", "Berth"]),
+        scaled_round(report, 1.4 * baseline, 1600.0, ["Berth", "HF"]),
+    ]
+    per_round = [target_rows({**report, **one}) for one in rounds]
+    summary = {row["target"].split(":")[0]: row for row in summarize_targets(per_round)}
+    c32 = summary["32 concurrent"]
+    assert abs(c32["ratio"] - 1.4) < 1e-9 and c32["met"] is True  # the first round alone: NO
+    assert [round(r, 6) for r in c32["rounds"]] == [1.2, 1.5, 1.4]
+    memory = summary["memory"]
+    assert memory["berth"] == 2100.0 and memory["met"] is False  # one round over the limit
+    assert memory["rounds"] == [1500.0, 2100.0, 1600.0]
+    ttft = summary["single stream"]  # by value, not by ratio
+    assert ttft["ratio"] is None and abs(ttft["berth"] - 50) < 1e-6 and ttft["met"] is True
+
+    report["rounds"] = [{**one, "targets": rows} for one, rows in zip(rounds, per_round)]
+    report["targets"] = summarize_targets(per_round)
+    del report["berth"], report["hf"]
+    text = render(report)
+    for needle in (
+        "Round 1 of 3: Berth -> HF",
+        "Round 2 of 3: HF -> Berth",
+        "medians over 3 rounds",
+        "1.20x / 1.50x / 1.40x",
+        "1,500 / 2,100 / 1,600",
+        "Memory (round 3)",
+    ):
+        assert needle in text, needle
+
+
+def test_a_failed_berth_server_in_any_round_fails_the_run():
+    report = fake_report()
+    ok = {"berth": report["berth"]}
+    broken = {"berth": {"auto": {"error": "exited"}}}
+    assert failed_berth_runs({"rounds": [ok, ok]}) == []
+    assert failed_berth_runs({"rounds": [ok, broken]}) == ["auto"]
