@@ -30,6 +30,8 @@ KERNELS_DIR_ENV = "BERTH_KERNELS_DIR"
 # Head dims the decode-attention kernel is instantiated for, and its query-heads-per-KV-head cap.
 DECODE_HEAD_DIMS = (64, 128, 256)
 MAX_QUERY_GROUP = 16
+# The storage dtypes the kernels take (by name: torch is imported lazily here).
+DTYPES_BY_NAME = ("float32", "bfloat16")
 
 # Compiler flags per PyTorch CPU capability: the ISA level PyTorch's own kernels use there.
 ISA_FLAGS = {

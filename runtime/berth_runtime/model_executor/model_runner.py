@@ -177,6 +177,10 @@ class ModelRunner:
             return "torch_native"
         if self.device.type != "cpu":
             raise ValueError("--attention-backend berth_cpu runs on CPU only")
+        if str(self.dtype).removeprefix("torch.") not in cpu_kernels.DTYPES_BY_NAME:
+            if backend == "berth_cpu":
+                raise ValueError("--attention-backend berth_cpu takes float32 or bfloat16")
+            return "torch_native"
         try:
             cpu_kernels.load(Path(cache_dir) if cache_dir else default_cache_dir())
         except cpu_kernels.KernelBuildError as e:

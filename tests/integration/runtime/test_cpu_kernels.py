@@ -232,6 +232,16 @@ def test_auto_falls_back_to_torch_native_when_kernels_cannot_build(tmp_path, mon
         )
 
 
+def test_float16_keeps_torch_native():
+    """The kernels take fp32 and bf16; --dtype float16 on CPU runs on PyTorch's own ops."""
+    runner = ModelRunner(embedded_model_dir(), dtype="float16", max_total_tokens=256)
+    assert runner.attention_backend == "torch_native"
+    _, tokens = greedy_run(runner, [embedded_tokenizer().encode("The capital of France is")], 2)
+    assert len(tokens[0]) == 3
+    with pytest.raises(ValueError, match="berth_cpu takes float32 or bfloat16"):
+        ModelRunner(embedded_model_dir(), dtype="float16", attention_backend="berth_cpu")
+
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Write a haiku about ships."]
 
 
