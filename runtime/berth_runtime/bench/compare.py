@@ -479,8 +479,7 @@ def target_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
                     "berth": ours,
                     "baseline": base,
                     "ratio": ratio,
-                    "goal": _goal_text(goal),
-                    "goal_spec": list(goal),
+                    "goal": list(goal),
                     "met": _judge(ratio if by_ratio else ours, goal),
                 }
             )
@@ -540,7 +539,7 @@ def summarize_targets(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]
             grouped.setdefault((row["system"], row["target"]), []).append(row)
     out = []
     for (system, target), rows in grouped.items():
-        goal: Goal = tuple(rows[0]["goal_spec"])  # type: ignore[assignment]
+        goal: Goal = tuple(rows[0]["goal"])  # type: ignore[assignment]
         by_ratio = goal[2] == "x"
         if target.startswith("memory"):
             peaks = [r["berth"] for r in rows if r["berth"] is not None]
@@ -555,11 +554,9 @@ def summarize_targets(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]
                 "berth": ours,
                 "baseline": _median([r["baseline"] for r in rows]),
                 "ratio": ratio,
-                "goal": rows[0]["goal"],
-                "goal_spec": list(goal),
+                "goal": list(goal),
                 "met": _judge(ratio if by_ratio else ours, goal),
                 "rounds": [r["ratio"] if by_ratio else r["berth"] for r in rows],
-                "rounds_by_ratio": by_ratio,
             }
         )
     return out
@@ -578,11 +575,11 @@ def targets_table(rows: list[dict[str, Any]]) -> str:
             _num(row["berth"]),
             _num(row["baseline"]),
             _num(row["ratio"], 2, "x"),
-            row["goal"],
+            _goal_text(tuple(row["goal"])),  # type: ignore[arg-type]
             {True: "yes", False: "NO", None: "-"}[row["met"]],
         ]
         if with_rounds:
-            digits, suffix = (2, "x") if row.get("rounds_by_ratio") else (0, "")
+            digits, suffix = (2, "x") if row["goal"][2] == "x" else (0, "")
             line.append(" / ".join(_num(v, digits, suffix) for v in row.get("rounds", [])))
         body.append(line)
     return _table(header, body)

@@ -299,9 +299,12 @@ def _precheck_attention_backend(args: ServerArgs) -> None:
         return
     if args.device == "cuda":
         raise ValueError("--attention-backend berth_cpu runs on CPU only, not with --device cuda")
-    if args.dtype == "float16":
-        raise ValueError("--attention-backend berth_cpu takes float32 or bfloat16, not float16")
-    from berth_runtime.kernels.cpu import toolchain_problem
+    from berth_runtime.kernels.cpu import DTYPES_BY_NAME, toolchain_problem
+
+    if args.dtype not in ("auto", *DTYPES_BY_NAME):
+        raise ValueError(
+            f"--attention-backend berth_cpu takes float32 or bfloat16, not {args.dtype}"
+        )
 
     problem = toolchain_problem()
     if problem is not None:

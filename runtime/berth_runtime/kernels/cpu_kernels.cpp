@@ -25,7 +25,6 @@ namespace {
 
 using fVec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = fVec::size();
-constexpr int64_t kMaxGroup = 16;  // query heads per KV head
 // Head dims the attention kernel is built for, in SIMD vectors.
 constexpr int kHeadDim64 = 64 / kLanes, kHeadDim128 = 128 / kLanes, kHeadDim256 = 256 / kLanes;
 
@@ -40,7 +39,7 @@ inline float reduce_sum(const fVec& v) {
   return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, v);
 }
 
-// Softmax in place over `len` scores (the caller's buffer is padded to whole vectors).
+// Softmax in place over `len` scores: whole vectors, then a scalar tail.
 inline void softmax_inplace(float* s, int64_t len) {
   fVec max_vec(-std::numeric_limits<float>::infinity());
   int64_t t = 0;
@@ -179,7 +178,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
   TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv dtypes differ");
   const int64_t dim = q.size(2), kv_heads = kv.size(1) / 2;
   TORCH_CHECK(kv.size(1) % 2 == 0 && kv_heads > 0 && q.size(1) % kv_heads == 0, "bad head counts");
-  TORCH_CHECK(q.size(1) / kv_heads <= kMaxGroup, "more than 16 query heads per KV head");
   TORCH_CHECK(dim == 64 || dim == 128 || dim == 256, "head dim must be 64, 128 or 256");
   TORCH_CHECK(kv_indices.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "kv_indices and seq_lens must be int64");
