@@ -27,8 +27,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 KERNELS_DIR_ENV = "BERTH_KERNELS_DIR"
-# Head dims the decode-attention kernel is instantiated for.
-DECODE_HEAD_DIMS = (64, 128, 256)
+# Head dims the attention kernels are instantiated for.
+ATTENTION_HEAD_DIMS = (64, 128, 256)
 # The storage dtypes the kernels take (by name: torch is imported lazily here).
 DTYPES_BY_NAME = ("float32", "bfloat16")
 
@@ -167,9 +167,9 @@ def load(cache_dir: Path) -> Path:
         return path
 
 
-def decode_attention_supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether the decode-attention kernel is built for this attention shape."""
-    return head_dim in DECODE_HEAD_DIMS and num_kv_heads > 0 and num_heads % num_kv_heads == 0
+def attention_supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the attention kernels are built for this attention shape."""
+    return head_dim in ATTENTION_HEAD_DIMS and num_kv_heads > 0 and num_heads % num_kv_heads == 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,7 @@ class Req:
         "req_row",
         "kv_len",
         "prefix_len",
+        "exact_len",
         "last_node",
         "cached_tokens",
         "finished_reason",
@@ -78,6 +79,9 @@ class Req:
         self.req_row: int | None = None  # row in ReqToTokenPool while it holds KV
         self.kv_len = 0  # tokens of fill_ids whose K/V are in the cache
         self.prefix_len = 0  # of those, tokens shared from the radix cache (locked there)
+        # Of kv_len, the leading tokens whose K/V are what a prefill of them computes, bit for bit:
+        # only these may go into the radix cache (see Scheduler._release).
+        self.exact_len = 0
         self.last_node: TreeNode | None = None  # where the locked radix-cache prefix ends
         self.cached_tokens = 0  # prompt tokens reused from the prefix cache
         self.finished_reason: FinishReason | None = None

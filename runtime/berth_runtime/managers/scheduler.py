@@ -306,7 +306,7 @@ class Scheduler:
             self.req_to_token.req_to_token[row, :n] = slots
         self.tree.lock(node)
         req.last_node = node
-        req.kv_len = req.prefix_len = n
+        req.kv_len = req.prefix_len = req.exact_len = n
         if not req.output_ids and not req.scheduled_time:
             req.cached_tokens = n  # first admission: what the client sees as cached
             self.stats.cached_tokens += n
@@ -323,7 +323,7 @@ class Scheduler:
             req.cached_tokens = 0
         self.req_to_token.free(req.req_row)
         req.req_row, req.last_node = None, None
-        req.kv_len = req.prefix_len = 0
+        req.kv_len = req.prefix_len = req.exact_len = 0
 
     def _free_capacity(self) -> int:
         """Slots that can be had now: free ones plus unlocked cache entries."""
@@ -352,7 +352,7 @@ class Scheduler:
             table[e.req.req_row, e.start : e.end] = slots[offset : offset + n]
             input_ids += e.req.fill_ids(e.start, e.end)
             offset += n
-        batch = ForwardBatch.build(
+        batch = ForwardBatch.extend(
             input_ids,
             [e.start for e in entries],
             [e.end - e.start for e in entries],
@@ -365,7 +365,7 @@ class Scheduler:
 
         row_start = 0
         for e in entries:
-            e.req.kv_len = e.end
+            e.req.kv_len = e.req.exact_len = e.end
             if e.req.return_prompt_logprobs:
                 rows = hidden[row_start : row_start + (e.end - e.start)]
                 self._add_prompt_logprobs(e.req, e.start, e.end, rows)
@@ -399,17 +399,19 @@ class Scheduler:
         positions = [r.kv_len for r in reqs]
         table = self.req_to_token.req_to_token
         table[torch.tensor(rows), torch.tensor(positions)] = slots
-        batch = ForwardBatch.build(
+        batch = ForwardBatch.decode(
             [r.output_ids[-1] for r in reqs],
             positions,
-            [1] * len(reqs),
             slots,
             rows,
             table,
             self.device,
         )
         hidden = self.runner.forward(batch)
+        exact = self.runner.decode_matches_prefill(len(reqs))
         for r in reqs:
+            if exact and r.exact_len == r.kv_len:
+                r.exact_len += 1
             r.kv_len += 1
         logits = self.runner.compute_logits(hidden)
         advanced = list(reqs)
@@ -454,7 +456,13 @@ class Scheduler:
         req.prefix_len = req.kv_len
 
     def _release(self, req: Req) -> None:
-        """Give a request's table row back; its KV goes into the radix cache (or is freed)."""
+        """Give a request's table row back; its KV goes into the radix cache (or is freed).
+
+        Only K/V that a prefill of the same tokens would compute bit for bit are cached
+        (`exact_len`): a later request that reuses them then gets the answer it would get
+        without the cache. K/V written by decode steps whose weights or kernels differ from
+        the prefill's (the 4-bit GGUF weights of small CPU batches, or torch_native attention)
+        are freed, and a conversation's next turn computes its previous answer again."""
         if req.req_row is None:
             return
         slots = self.req_to_token.req_to_token[req.req_row, : req.kv_len].clone()
@@ -462,25 +470,24 @@ class Scheduler:
             self.kv_pool.free(slots)
         else:
             # Tokens the cache already holds (inserted by another request meanwhile) are
-            # duplicates: free our copies. The rest now belongs to the cache.
-            cached = self.tree.insert(req.fill_ids(0, req.kv_len), slots)
+            # duplicates: free our copies. The rest of the exact part now belongs to the cache.
+            cached = self.tree.insert(req.fill_ids(0, req.exact_len), slots[: req.exact_len])
             self.kv_pool.free(slots[req.prefix_len : cached])
+            self.kv_pool.free(slots[req.exact_len :])
             if req.last_node is not None:
                 self.tree.unlock(req.last_node)
         self.req_to_token.free(req.req_row)
         req.req_row, req.last_node = None, None
-        req.kv_len = req.prefix_len = 0
+        req.kv_len = req.prefix_len = req.exact_len = 0
 
     # --- sampling and finishing --------------------------------------------------------------
 
     def _sample_and_finish(self, reqs: list[Req], logits: torch.Tensor) -> None:
         raw_logprobs = None
         if all(self._plain_greedy(r) for r in reqs):
-            # Max over the model's dtype: the same token as over fp32 (an exact upcast), without
-            # the copy; max().indices, like argmax, takes the first maximum (and is faster).
+            # max().indices, like argmax, takes the first maximum (and is faster).
             next_ids = logits.max(dim=-1).indices.tolist()
         else:
-            logits = logits.float()
             if any(r.return_logprob for r in reqs):
                 raw_logprobs = torch.log_softmax(logits, dim=-1)
             self._process_logits(reqs, logits)
@@ -562,7 +569,7 @@ class Scheduler:
         if start == 0:
             req.input_token_logprobs.append(None)
             req.input_top_logprobs.append(None)
-        logprobs = torch.log_softmax(self.runner.compute_logits(hidden).float(), dim=-1)
+        logprobs = torch.log_softmax(self.runner.compute_logits(hidden), dim=-1)
         for offset in range(end - start):
             pos = start + offset + 1  # the token this position predicts
             if pos >= len(prompt):

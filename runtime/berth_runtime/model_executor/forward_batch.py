@@ -23,16 +23,45 @@ class ForwardBatch:
     last_token_index: torch.Tensor  # [B] row in T of each sequence's last new token
     is_decode: bool
     seq_lens: torch.Tensor  # [B] tokens of each sequence in the KV cache after this step
-    # Extend only: where each of the T rows sits in the padded [B, Q] query layout.
+    # Extend only: where each of the T rows sits in the padded [B, Q] query layout, and how many
+    # slots each attends to (its position + 1).
     query_batch_index: torch.Tensor | None = None
     query_pos_index: torch.Tensor | None = None
+    query_lens: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
         return int(self.kv_indices.shape[0])
 
     @classmethod
-    def build(
+    def decode(
+        cls,
+        input_ids: list[int],
+        cached_lens: list[int],
+        out_cache_loc: torch.Tensor,
+        req_rows: list[int],
+        req_to_token: torch.Tensor,
+        device: torch.device,
+    ) -> ForwardBatch:
+        """A decode step: one new token after the `cached_lens[b]` tokens of each sequence."""
+        batch_size = len(input_ids)
+        seq_lens = [n + 1 for n in cached_lens]
+        kv_indices = _kv_indices(req_rows, max(seq_lens), req_to_token, device)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+        key_pos = torch.arange(kv_indices.shape[1], device=device)
+        return cls(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+            positions=seq_lens_t - 1,
+            out_cache_loc=out_cache_loc,
+            kv_indices=kv_indices,
+            attn_mask=(key_pos[None, :] < seq_lens_t[:, None])[:, None, None, :],
+            last_token_index=torch.arange(batch_size, device=device),
+            is_decode=True,
+            seq_lens=seq_lens_t,
+        )
+
+    @classmethod
+    def extend(
         cls,
         input_ids: list[int],
         prefix_lens: list[int],
@@ -42,24 +71,14 @@ class ForwardBatch:
         req_to_token: torch.Tensor,
         device: torch.device,
     ) -> ForwardBatch:
-        """Assemble a step from the scheduler's per-sequence numbers (one Python pass over B)."""
+        """A prefill (extend) step: `extend_lens[b]` new tokens after `prefix_lens[b]` cached
+        ones. One new token per sequence is still an extend, not a decode: the two may run on
+        different weights (see `models.llama.run_linear`)."""
         batch_size = len(extend_lens)
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         max_len = max(seq_lens)
-        rows = torch.tensor(req_rows, dtype=torch.int64, device=device)
-        kv_indices = req_to_token[rows, :max_len]
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+        kv_indices = _kv_indices(req_rows, max_len, req_to_token, device)
         key_pos = torch.arange(max_len, device=device)
-        input_ids_t = torch.tensor(input_ids, dtype=torch.int64, device=device)
-        is_decode = all(e == 1 for e in extend_lens)
-        if is_decode:
-            positions = seq_lens_t - 1
-            attn_mask = (key_pos[None, :] < seq_lens_t[:, None])[:, None, None, :]
-            last = torch.arange(batch_size, device=device)
-            return cls(
-                input_ids_t, positions, out_cache_loc, kv_indices, attn_mask, last, True, seq_lens_t
-            )
-
         extend_t = torch.tensor(extend_lens, dtype=torch.int64, device=device)
         prefix_t = torch.tensor(prefix_lens, dtype=torch.int64, device=device)
         query_batch_index = torch.repeat_interleave(
@@ -72,16 +91,23 @@ class ForwardBatch:
         q_pos = prefix_t[:, None] + torch.arange(max_extend, device=device)[None, :]  # [B, Q]
         attn_mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, L], causal incl. prefix
         attn_mask[:, :, 0] = True  # padded query rows must attend somewhere (results are dropped)
-        last = torch.cumsum(extend_t, 0) - 1
         return cls(
-            input_ids_t,
-            positions,
-            out_cache_loc,
-            kv_indices,
-            attn_mask[:, None],
-            last,
-            False,
-            seq_lens_t,
-            query_batch_index,
-            query_pos_index,
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            kv_indices=kv_indices,
+            attn_mask=attn_mask[:, None],
+            last_token_index=torch.cumsum(extend_t, 0) - 1,
+            is_decode=False,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            query_batch_index=query_batch_index,
+            query_pos_index=query_pos_index,
+            query_lens=positions + 1,
         )
+
+
+def _kv_indices(
+    req_rows: list[int], max_len: int, req_to_token: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    rows = torch.tensor(req_rows, dtype=torch.int64, device=device)
+    return req_to_token[rows, :max_len]

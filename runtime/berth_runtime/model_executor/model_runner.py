@@ -129,6 +129,7 @@ class ModelRunner:
         self.prepacked = can_prepack_cpu_linears(self.dtype, self.device)
         if self.prepacked:
             model.prepack_cpu_linears()
+        self.gguf_q4_max_batch = gguf_q4_max_batch
         self.q4_bytes = self._attach_q4(model, model_path, gguf_q4_max_batch)
         self.attention_backend = self._enable_kernels(model, attention_backend, cache_dir)
         self.model = model.eval()
@@ -189,12 +190,10 @@ class ModelRunner:
             logger.warning("CPU kernels unavailable (%s); using torch_native attention", e)
             return "torch_native"
         attn = model.layers[0].self_attn
-        decode = cpu_kernels.decode_attention_supports(
-            attn.num_heads, attn.num_kv_heads, attn.head_dim
-        )
-        if not decode:
-            logger.info("Decode attention shape not built into the CPU kernels; using SDPA")
-        model.enable_cpu_kernels(decode_attention=decode)
+        attention = cpu_kernels.attention_supports(attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        if not attention:
+            logger.info("Attention shape not built into the CPU kernels; using SDPA")
+        model.enable_cpu_kernels(attention=attention)
         return "berth_cpu"
 
     def _default_kv_tokens(self, num_kv_heads: int, head_dim: int) -> int:
@@ -204,12 +203,20 @@ class ModelRunner:
         per_token = 2 * self.num_layers * num_kv_heads * head_dim * self.dtype.itemsize
         return int(free * CUDA_KV_MEMORY_FRACTION / per_token)
 
+    def decode_matches_prefill(self, batch_size: int) -> bool:
+        """Whether a decode step of `batch_size` sequences writes the K/V that a prefill of the
+        same tokens would, bit for bit: the same weights (not the 4-bit ones) and attention that
+        computes each token alone (`berth_cpu`; SDPA's rounding depends on the step's shape)."""
+        uses_int4 = self.q4_bytes > 0 and batch_size <= self.gguf_q4_max_batch
+        return self.attention_backend == "berth_cpu" and not uses_int4
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states of every new token, [T, hidden]."""
         return self.model(batch, self.kv_pool)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocab scores [rows, V] in the model's dtype; callers upcast when they need fp32."""
+        """fp32 vocab scores [rows, V]; each row's leading candidates are exact (see
+        `models.llama.exact_top_logits`)."""
         return self.model.compute_logits(hidden)
 
 

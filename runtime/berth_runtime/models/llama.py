@@ -24,22 +24,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def run_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """One projection: with the GGUF's own 4-bit weights for a few rows (see `attach_int4`),
-    through oneDNN with the weight prepacked (see `prepack_cpu_linears`) when it was, else
-    `linear`."""
+def run_linear(module: nn.Linear, x: torch.Tensor, decode: bool) -> torch.Tensor:
+    """One projection: in a decode step of a few sequences with the GGUF's own 4-bit weights
+    (see `attach_int4`), else through oneDNN with the weight prepacked (see
+    `prepack_cpu_linears`) when it was, else `linear`.
+
+    Prefill and extend steps never take the 4-bit weights, however few their tokens: a prompt
+    whose prefix was cached leaves a short extend, and it must run through the same weights as
+    the same prompt prefilled whole, or the two would answer differently."""
     int4: Int4Weight | None = getattr(module, "berth_int4", None)
-    if int4 is not None and x.shape[0] <= int4.max_rows:
+    if decode and int4 is not None and x.shape[0] <= int4.max_rows:
         out = int4.matmul(x)
         return out if module.bias is None else out + module.bias
-    if module.weight.dtype != torch.float32 and getattr(module, "berth_packed", False):
+    if getattr(module, "berth_packed", False):
         out = packed_linear(x, module.weight)
         return out if module.bias is None else out + module.bias
     return linear(x, module.weight, module.bias)
 
 
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight, None, "none", [], "")
+    """x @ W.T through oneDNN. A row's result does not depend on how many rows come with it:
+    oneDNN takes a different kernel for a single row, which rounds some outputs the other way,
+    so one row runs as two (measured: no slower). Without this, a one-token extend after a
+    cached prefix differs from the same token in a whole prefill, and bf16 amplifies that
+    difference over the layers into a different answer."""
+    x = x.contiguous()
+    if x.shape[0] == 1:
+        return _linear_pointwise(x.expand(2, -1).contiguous(), packed_weight)[:1]
+    return _linear_pointwise(x, packed_weight)
+
+
+def _linear_pointwise(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
 
 
 # Batch size oneDNN picks the packed layout for (measured: one layout serves 1..300 rows well).
@@ -47,9 +63,12 @@ PACK_BATCH_HINT = 32
 
 
 def can_prepack_cpu_linears(dtype: torch.dtype, device: torch.device) -> bool:
+    """bf16 and fp32 projections on CPU run through oneDNN with prepacked weights: faster than
+    PyTorch's default CPU matmul at every size measured, and a row's result never depends on the
+    other rows (MKL's fp32 kernels change with the row count: so would a cached prompt's answer)."""
     return (
         device.type == "cpu"
-        and dtype == torch.bfloat16
+        and dtype in (torch.bfloat16, torch.float32)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -58,6 +77,43 @@ def can_prepack_cpu_linears(dtype: torch.dtype, device: torch.device) -> bool:
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+
+
+# Scores per row that `exact_top_logits` recomputes: more than any top_logprobs (at most 20), and
+# far more than the ties at a row's maximum.
+EXACT_LOGIT_CANDIDATES = 32
+# Rows recomputed at a time (prompt logprobs ask for every prompt position).
+_EXACT_ROWS_PER_CHUNK = 256
+
+
+def exact_top_logits(
+    logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, cpu_kernels: bool
+) -> torch.Tensor:
+    """fp32 scores [rows, V] from a reduced-precision lm_head's `logits`, with each row's top
+    candidates recomputed exactly from the same `hidden` and `weight`.
+
+    A bf16 lm_head accumulates in fp32 but rounds each score to bf16: steps of 0.125 at the size
+    of a top score, so two leading tokens 0.08 apart (as in the embedded model's answer to
+    "What is the capital of France?") come out tied, or in either order, depending on rounding
+    noise elsewhere in the step. Rounding keeps order, so a row's true maximum is among its
+    top bf16 scores; recomputing those with an fp32 result gives what an fp32 lm_head gives on
+    these inputs: the greedy choice and the reported logprobs of the leading tokens lose the
+    rounding, and the same inputs always give the same scores. The other scores keep their bf16
+    value: they only enter the softmax sums. With `cpu_kernels`, Berth's CPU kernels find and
+    recompute the candidates (torch.topk alone costs more than the lm_head at batch 32)."""
+    out = logits.float()
+    k = min(EXACT_LOGIT_CANDIDATES, out.shape[-1])
+    for start in range(0, out.shape[0], _EXACT_ROWS_PER_CHUNK):
+        rows = slice(start, start + _EXACT_ROWS_PER_CHUNK)
+        if cpu_kernels:
+            top = torch.ops.berth.top_k_indices(logits[rows], k)  # [r, k], unordered
+            exact = torch.ops.berth.dot_rows(hidden[rows], weight, top)
+        else:
+            top = logits[rows].topk(k, dim=-1).indices
+            candidates = weight[top].double()  # [r, k, hidden]
+            exact = torch.bmm(candidates, hidden[rows].double().unsqueeze(-1)).squeeze(-1)
+        out[rows].scatter_(1, top, exact.float())
+    return out
 
 
 class RMSNorm(nn.Module):
@@ -157,7 +213,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
-        self.use_decode_kernel = False  # set by LlamaForCausalLM.enable_cpu_kernels
+        self.use_cpu_attention = False  # set by LlamaForCausalLM.enable_cpu_kernels
 
     def forward(
         self,
@@ -167,7 +223,7 @@ class LlamaAttention(nn.Module):
         kv_pool: TokenToKVPool,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = run_linear(self.qkv_proj, hidden).view(num_tokens, -1, self.head_dim)
+        qkv = run_linear(self.qkv_proj, hidden, batch.is_decode).view(num_tokens, -1, self.head_dim)
         # Rotate the query and key heads in one go, in place, so that the new tokens' K and V
         # heads sit side by side in qkv, as in the cache (fewer ops: decode is overhead-bound).
         qk_heads = self.num_heads + self.num_kv_heads
@@ -176,12 +232,23 @@ class LlamaAttention(nn.Module):
 
         kv_cache = kv_pool.kv_buffer[self.layer_id]  # [slots, K heads + V heads, D]
         kv_cache.index_copy_(0, batch.out_cache_loc, qkv[:, self.num_heads :])
-        if batch.is_decode and self.use_decode_kernel:
-            # Reads each sequence's K/V in place through its slots: no gather, no padding.
-            out = torch.ops.berth.decode_attention(
-                q, kv_cache, batch.kv_indices, batch.seq_lens, self.scale
-            )
-            return run_linear(self.o_proj, out.view(num_tokens, self.q_size))
+        if self.use_cpu_attention:
+            # Reads each sequence's K/V in place through its slots: no gather, no padding; every
+            # token computed alone, so that caching and chunking cannot change its result.
+            if batch.is_decode:
+                out = torch.ops.berth.decode_attention(
+                    q, kv_cache, batch.kv_indices, batch.seq_lens, self.scale
+                )
+            else:
+                out = torch.ops.berth.extend_attention(
+                    q,
+                    kv_cache,
+                    batch.kv_indices,
+                    batch.query_batch_index,
+                    batch.query_lens,
+                    self.scale,
+                )
+            return run_linear(self.o_proj, out.view(num_tokens, self.q_size), batch.is_decode)
         # index_select on the flat slot axis is several times faster than advanced indexing.
         flat = batch.kv_indices.view(-1)
         shape = (batch.batch_size, batch.kv_indices.shape[1], 2 * self.num_kv_heads, -1)
@@ -212,7 +279,7 @@ class LlamaAttention(nn.Module):
         else:
             out = out.transpose(1, 2)[batch.query_batch_index, batch.query_pos_index]
             out = out.reshape(num_tokens, self.q_size)
-        return run_linear(self.o_proj, out)
+        return run_linear(self.o_proj, out, batch.is_decode)
 
 
 class LlamaMLP(nn.Module):
@@ -223,10 +290,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = run_linear(self.gate_up_proj, x)
+    def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        gate_up = run_linear(self.gate_up_proj, x, decode)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return run_linear(self.down_proj, F.silu(gate) * up)
+        return run_linear(self.down_proj, F.silu(gate) * up, decode)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -250,7 +317,7 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, batch, rope, kv_pool)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, batch.is_decode), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -269,6 +336,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_lm_head: torch.Tensor | None = None  # set by prepack_cpu_linears
+        self.use_cpu_logit_kernels = False  # set by enable_cpu_kernels
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: TokenToKVPool) -> torch.Tensor:
@@ -281,36 +349,44 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocab scores in the model's dtype (upcast by the sampler only when it must)."""
+        """fp32 vocab scores [rows, V]: the lm_head in the model's dtype, then each row's top
+        candidates computed again exactly (see `exact_top_logits`)."""
+        weight = self.lm_head_weight()
         if self.packed_lm_head is not None:
-            return packed_linear(hidden, self.packed_lm_head)
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return linear(hidden, weight)
+            logits = packed_linear(hidden, self.packed_lm_head)
+        else:
+            logits = linear(hidden, weight)
+        if logits.dtype == torch.float32:
+            return logits
+        return exact_top_logits(logits, hidden, weight, self.use_cpu_logit_kernels)
 
-    def enable_cpu_kernels(self, decode_attention: bool) -> None:
-        """Run every RMSNorm, and decode attention when `decode_attention`, on Berth's C++ CPU
-        kernels (`berth_runtime.kernels.cpu`, loaded by the caller)."""
+    def lm_head_weight(self) -> torch.Tensor:
+        """The output projection [V, hidden] in plain layout (the tied embedding, if tied)."""
+        return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def enable_cpu_kernels(self, attention: bool) -> None:
+        """Run every RMSNorm, the exact logits (`exact_top_logits`), and attention when
+        `attention`, on Berth's C++ CPU kernels (`berth_runtime.kernels.cpu`, loaded by the
+        caller)."""
+        self.use_cpu_logit_kernels = True
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.use_cpu_kernel = True
             elif isinstance(module, LlamaAttention):
-                module.use_decode_kernel = decode_attention
+                module.use_cpu_attention = attention
 
     @torch.inference_mode()
     def prepack_cpu_linears(self) -> None:
-        """Reorder every projection's bf16 weight once into oneDNN's blocked layout (after
+        """Reorder every projection's weight (bf16 or fp32) once into oneDNN's blocked layout (after
         loading). Unpacked, oneDNN reorders the weight on every call: prepacked, batched decode
         projections run 1.2-1.9x faster, with bit-identical results. The packed tensor replaces the
-        weight in place (same memory); a tied lm_head gets a packed copy of the embedding."""
+        weight in place (same memory). The lm_head gets a packed copy and keeps its plain weight,
+        whose rows `exact_top_logits` reads (a tied one is the embedding, kept anyway)."""
         for module in self.modules():
             if isinstance(module, nn.Linear) and module is not getattr(self, "lm_head", None):
                 module.weight = nn.Parameter(_pack(module.weight), requires_grad=False)
                 module.berth_packed = True
-        if self.tie_word_embeddings:
-            self.packed_lm_head = _pack(self.embed_tokens.weight)
-        else:
-            self.packed_lm_head = _pack(self.lm_head.weight)
-            self.lm_head.weight = nn.Parameter(self.packed_lm_head, requires_grad=False)
+        self.packed_lm_head = _pack(self.lm_head_weight())
 
     @torch.inference_mode()
     def attach_int4(self, groups: dict[str, torch.Tensor], max_rows: int) -> int:

@@ -20,7 +20,7 @@ def prefill(runner: ModelRunner, prompts: list[list[int]]) -> tuple[list[int], t
         table[row, :n] = slots[offset : offset + n]
         offset += n
     ids = [t for p in prompts for t in p]
-    batch = ForwardBatch.build(ids, [0] * len(prompts), lens, slots, rows, table, runner.device)
+    batch = ForwardBatch.extend(ids, [0] * len(prompts), lens, slots, rows, table, runner.device)
     hidden = runner.forward(batch)
     return lens, runner.compute_logits(hidden[batch.last_token_index])
 
@@ -32,7 +32,7 @@ def decode_step(runner: ModelRunner, lens: list[int], feed: list[int]) -> torch.
     rows = list(range(1, len(lens) + 1))
     slots = runner.kv_pool.alloc(len(lens))
     table[torch.tensor(rows), torch.tensor(lens)] = slots
-    batch = ForwardBatch.build(feed, lens, [1] * len(lens), slots, rows, table, runner.device)
+    batch = ForwardBatch.decode(feed, lens, slots, rows, table, runner.device)
     logits = runner.compute_logits(runner.forward(batch))
     lens[:] = [n + 1 for n in lens]
     return logits

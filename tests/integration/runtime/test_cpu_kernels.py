@@ -18,6 +18,7 @@ from berth_runtime.kernels import cpu as cpu_kernels
 from berth_runtime.model_executor.model_runner import ModelRunner
 from berth_runtime.models.loader import default_cache_dir
 from tests.helpers import embedded_model_dir, embedded_tokenizer
+from tests.integration.runtime.chat_prompts import QUESTIONS
 from tests.integration.runtime.engine_steps import forced_decode_logits, greedy_run
 
 
@@ -116,6 +117,108 @@ def test_decode_attention_rejects_bad_input():
         torch.ops.berth.decode_attention(q, kv, kv_indices.int(), lens, 0.1)
     with pytest.raises(RuntimeError, match="batch"):
         torch.ops.berth.decode_attention(q, kv, kv_indices[:1], lens, 0.1)
+
+
+def extend_case(extend_lens, prefix_lens, heads, kv_heads, dim, dtype, seed=4):
+    """Sequences of prefix + new tokens in a scattered pool; returns the extend op's inputs and,
+    per new token, its own (kv_indices row, length) for the decode op and the reference."""
+    q_all, kv, kv_indices, _ = paged_case(len(extend_lens), heads, kv_heads, dim, dtype, seed)
+    gen = torch.Generator().manual_seed(seed)
+    total = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    width = max(total) + 2
+    poison = kv.shape[0] - 1
+    perm = torch.randperm(kv.shape[0] - 2, generator=gen) + 1
+    kv_indices = torch.full((len(total), width), poison, dtype=torch.int64)
+    offset = 0
+    for b, n in enumerate(total):
+        kv_indices[b, :n] = perm[offset : offset + n]
+        offset += n
+    query_seq = torch.repeat_interleave(torch.arange(len(total)), torch.tensor(extend_lens))
+    query_lens = torch.cat(
+        [torch.arange(p + 1, p + e + 1) for p, e in zip(prefix_lens, extend_lens)]
+    )
+    q = torch.randn(len(query_seq), heads, dim, generator=gen).to(dtype)
+    return q, kv, kv_indices, query_seq, query_lens
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 8), (16, 2)])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_extend_attention_fp32_matches_reference(heads, kv_heads, dim):
+    """Ragged extends after cached prefixes (0 to 40 tokens), more new tokens than one block."""
+    q, kv, kv_indices, seq, lens = extend_case(
+        [1, 37, 5, 20], [0, 3, 40, 17], heads, kv_heads, dim, torch.float32
+    )
+    out = torch.ops.berth.extend_attention(q, kv, kv_indices, seq, lens, dim**-0.5)
+    expected = reference_attention(q, kv, kv_indices[seq], lens, dim**-0.5)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tokens_attention_is_the_same_in_every_kind_of_step(dtype):
+    """Bit for bit: a token's output is the same extended in one step with its whole sequence,
+    in any split of it, next to other sequences, or as a decode step of its own."""
+    q, kv, kv_indices, seq, lens = extend_case([30, 9], [0, 21], 9, 3, 64, dtype)
+    whole = torch.ops.berth.extend_attention(q, kv, kv_indices, seq, lens, 0.125)
+    for split in ([1, 29], [16, 14], [17, 13], [29, 1]):
+        parts, start = [], 0
+        for n in split:
+            rows = slice(start, start + n)
+            parts.append(
+                torch.ops.berth.extend_attention(
+                    q[rows], kv, kv_indices[:1], seq[rows], lens[rows], 0.125
+                )
+            )
+            start += n
+        assert torch.equal(torch.cat(parts), whole[:30]), split
+    alone = torch.ops.berth.extend_attention(
+        q[30:], kv, kv_indices[1:], seq[30:] - 1, lens[30:], 0.125
+    )
+    assert torch.equal(alone, whole[30:])
+    decoded = torch.ops.berth.decode_attention(q, kv, kv_indices[seq], lens, 0.125)
+    assert torch.equal(decoded, whole)
+
+
+def test_extend_attention_rejects_bad_input():
+    q, kv, kv_indices, seq, lens = extend_case([3, 2], [0, 4], 4, 2, 64, torch.float32)
+    with pytest.raises(RuntimeError, match="int64"):
+        torch.ops.berth.extend_attention(q, kv, kv_indices, seq.int(), lens, 0.1)
+    with pytest.raises(RuntimeError, match="do not match the tokens"):
+        torch.ops.berth.extend_attention(q, kv, kv_indices, seq[:2], lens, 0.1)
+    with pytest.raises(RuntimeError, match="head dim"):
+        torch.ops.berth.extend_attention(q[..., :48], kv[..., :48], kv_indices, seq, lens, 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_k_indices_finds_the_largest_entries(dtype):
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(7, 49157, generator=gen) * 5).to(dtype)  # not a multiple of the SIMD width
+    x[3, -1] = 100.0  # the maximum in the scalar tail
+    x[4] = 1.0  # all equal: any k of them
+    for k in (1, 2, 32):
+        got = torch.ops.berth.top_k_indices(x, k)
+        assert got.shape == (7, k) and got.dtype == torch.int64
+        values = x.gather(1, got).sort(dim=-1, descending=True).values
+        assert torch.equal(values, x.topk(k, dim=-1).values)
+        assert all(len(set(row)) == k for row in got.tolist())
+    assert int(torch.ops.berth.top_k_indices(x, 1)[3, 0]) == 49156
+    with pytest.raises(RuntimeError, match="k must be"):
+        torch.ops.berth.top_k_indices(x, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dot_rows_computes_exact_scores_independently_of_other_rows(dtype):
+    gen = torch.Generator().manual_seed(6)
+    hidden = torch.randn(5, 576, generator=gen).to(dtype)
+    weight = torch.randn(1000, 576, generator=gen).to(dtype)
+    picks = torch.randint(0, 1000, (5, 8), generator=gen)
+    got = torch.ops.berth.dot_rows(hidden, weight, picks)
+    assert got.dtype == torch.float32
+    exact = torch.einsum("rd,rkd->rk", hidden.double(), weight[picks].double())
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-4)
+    alone = torch.ops.berth.dot_rows(hidden[2:3], weight, picks[2:3])
+    assert torch.equal(alone[0], got[2])
+    with pytest.raises(RuntimeError, match="int64"):
+        torch.ops.berth.dot_rows(hidden, weight, picks.int())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -242,7 +345,9 @@ def test_float16_keeps_torch_native():
         ModelRunner(embedded_model_dir(), dtype="float16", attention_backend="berth_cpu")
 
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Write a haiku about ships."]
+# bf16 rounding is chaotic: one prompt's error moves by tens of percent with any change of
+# kernel, so the backends are compared over a dozen.
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", *QUESTIONS[:10]]
 
 
 def runner(dtype: str, backend: str) -> ModelRunner:
@@ -277,15 +382,21 @@ def test_bf16_model_on_berth_cpu_is_as_close_to_fp32_as_torch_native(fp32_refere
     """In bf16 the two backends round differently, so neither equals the other: each is held to
     its distance from the fp32 model on the same inputs."""
     prompts, steps, exact = fp32_reference
-    errors, agreement = {}, {}
+    errors, tokens = {}, {}
     for backend in ("torch_native", "berth_cpu"):
         bf16 = runner("bfloat16", backend)
         assert bf16.attention_backend == backend
         logits = forced_decode_logits(bf16, prompts, steps)
         errors[backend] = (logits - exact).abs()
-        agreement[backend] = (logits.argmax(-1) == exact.argmax(-1)).float().mean().item()
+        tokens[backend] = logits.argmax(-1)
     native, kernel = errors["torch_native"], errors["berth_cpu"]
     assert kernel.mean() <= 1.25 * native.mean(), (kernel.mean(), native.mean())
     assert kernel.max() <= 1.5 * native.max(), (kernel.max(), native.max())
-    one_position = 1 / exact[..., 0].numel()
-    assert agreement["berth_cpu"] >= agreement["torch_native"] - one_position - 1e-9
+    # Where fp32's top two are further apart than twice bf16's typical error at the top, both
+    # backends pick fp32's token (closer ones are near-ties either may break either way).
+    top2 = exact.topk(2, dim=-1).values
+    typical = native.gather(-1, exact.argmax(-1, keepdim=True)).mean()
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * typical
+    assert clear.float().mean() >= 0.9
+    for backend in ("torch_native", "berth_cpu"):
+        assert torch.equal(tokens[backend][clear], exact.argmax(-1)[clear]), backend

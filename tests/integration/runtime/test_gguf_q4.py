@@ -77,14 +77,14 @@ def teacher_forced_logits(
     for i, row in enumerate(rows):
         table[row, :n] = slots[i * n : (i + 1) * n]
     ids = prefix * copies
-    batch = ForwardBatch.build(ids, [0] * copies, [n] * copies, slots, rows, table, runner.device)
+    batch = ForwardBatch.extend(ids, [0] * copies, [n] * copies, slots, rows, table, runner.device)
     runner.forward(batch)
     out = []
     for step, token in enumerate(feed):
         slots = runner.kv_pool.alloc(copies)
         table[torch.tensor(rows), n + step] = slots
-        batch = ForwardBatch.build(
-            [token] * copies, [n + step] * copies, [1] * copies, slots, rows, table, runner.device
+        batch = ForwardBatch.decode(
+            [token] * copies, [n + step] * copies, slots, rows, table, runner.device
         )
         out.append(runner.compute_logits(runner.forward(batch))[0].float())
     return out
@@ -117,10 +117,11 @@ def test_q4_decode_is_as_close_to_fp32_as_bf16(runners, case):
     bf16 = teacher_forced_logits(runners["bf16"], prefix, feed, 1)
     q4 = teacher_forced_logits(runners["q4"], prefix, feed, 1)
     decided = 0
+    bf16_errors, q4_errors = [], []
     for ref, plain, small, token in zip(fp32, bf16, q4, tokens):
         bf16_error = (plain - ref).abs().max().item()
-        q4_error = (small - ref).abs().max().item()
-        assert q4_error <= 2 * bf16_error + 0.05, (q4_error, bf16_error)
+        bf16_errors.append(logprob_error(plain, ref))
+        q4_errors.append(logprob_error(small, ref))
         assert not torch.equal(small, plain)  # the 4-bit path really ran
         # Greedy on the 4-bit weights follows the fp32 model wherever fp32's choice is not a
         # near-tie that bf16 rounding alone can flip (the France answer opens on one: "The" vs
@@ -130,6 +131,16 @@ def test_q4_decode_is_as_close_to_fp32_as_bf16(runners, case):
             decided += 1
             assert int(small.argmax()) == token
     assert decided >= STEPS // 2, "too few steps where fp32's choice is clear"
+    # Over the steps (one step's error moves by tens of percent with any rounding change).
+    q4_mean, bf16_mean = sum(q4_errors) / STEPS, sum(bf16_errors) / STEPS
+    assert q4_mean <= 2 * bf16_mean, (q4_mean, bf16_mean)
+
+
+def logprob_error(logits: torch.Tensor, reference: torch.Tensor) -> float:
+    """Mean |logprob - fp32 logprob| over fp32's five leading tokens."""
+    top = reference.topk(5).indices
+    ours, exact = torch.log_softmax(logits, -1)[top], torch.log_softmax(reference, -1)[top]
+    return (ours - exact).abs().mean().item()
 
 
 def test_steps_above_the_limit_keep_bf16(runners, case):

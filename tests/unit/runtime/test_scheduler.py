@@ -25,12 +25,16 @@ class CountingRunner:
         self.kv_pool = TokenToKVPool(kv_tokens, 1, 1, 1, torch.float32, self.device)
         self.req_to_token_pool = ReqToTokenPool(max_reqs, context_len + 1, self.device)
         self.batches: list[tuple[bool, int, int]] = []  # (is_decode, batch size, new tokens)
+        self.exact_decode = True  # decode K/V equal a prefill's (see decode_matches_prefill)
 
     def forward(self, batch):
         # Every token's slot must be a real, allocated slot (never the padding slot 0).
         assert int(batch.out_cache_loc.min()) > 0
         self.batches.append((batch.is_decode, batch.batch_size, int(batch.input_ids.numel())))
         return batch.input_ids.float()[:, None]
+
+    def decode_matches_prefill(self, batch_size):
+        return self.exact_decode
 
     def compute_logits(self, hidden):
         nxt = (hidden[:, 0].long() + 1) % VOCAB
@@ -140,7 +144,8 @@ def test_chunked_prefill_alternates_with_decode_and_matches_unchunked():
     out = run_to_idle(s)
     assert out["p"][0] == expected
     prefills = [b for b in runner.batches if not b[0]]
-    assert [b[2] for b in prefills] == [16, 16, 16, 10]  # a 1-token prefill runs as a decode
+    # "stream"'s one-token prompt is an extend too, never a decode step (other weights).
+    assert [b[2] for b in prefills] == [1, 16, 16, 16, 10]
     # Between two prefill chunks there is always a decode step for the running stream.
     kinds = [b[0] for b in runner.batches[1:12]]
     assert all(a or b for a, b in zip(kinds, kinds[1:])), kinds
@@ -385,3 +390,38 @@ def test_fcfs_and_lpm_never_preempt():
         out = step()
         assert out is not None and "high" not in out.rids, policy
         assert [r.rid for r in s.running] == ["old", "new"], policy
+
+
+def test_decoded_kv_is_cached_only_when_decode_matches_prefill():
+    """The radix cache keeps only K/V that a prefill of the same tokens computes: a later turn
+    that reuses them answers as it would without the cache."""
+    prompt = list(range(1, 11))  # 10 tokens; 4 generated: 11 12 13 14 (14 never fed back)
+    for exact, cached_after in ((True, 13), (False, 10)):
+        runner = CountingRunner()
+        runner.exact_decode = exact
+        s = make_scheduler(runner)
+        s.handle_generate(req("turn1", prompt, max_new_tokens=4))
+        assert run_to_idle(s)["turn1"][0] == [11, 12, 13, 14]
+        assert s.tree is not None and s.tree.total_size == cached_after
+        assert_all_memory_free(s)
+        # The next turn reuses exactly what was cached (less its last token, which it reruns).
+        s.handle_generate(req("turn2", [*prompt, 11, 12, 13, 14, 20, 21], max_new_tokens=1))
+        run_to_idle(s)
+        prefills = [b[2] for b in runner.batches if not b[0]]
+        assert prefills == [10, 16 - cached_after], prefills
+        assert_all_memory_free(s)
+
+
+def test_decode_after_a_decode_that_did_not_match_stays_uncached():
+    """exact_len stops at the first decode step that ran on other weights, even if later steps
+    match again (a batch grew past the 4-bit limit): the cache holds a prefix, never a gap."""
+    runner = CountingRunner()
+    s = make_scheduler(runner)
+    s.handle_generate(req("a", [1, 2, 3], max_new_tokens=6))
+    s.step()  # prefill: exact_len 3
+    runner.exact_decode = False
+    s.step()  # decode on other weights: token 4's K/V are not exact
+    runner.exact_decode = True
+    run_to_idle(s)
+    assert s.tree is not None and s.tree.total_size == 3
+    assert_all_memory_free(s)
