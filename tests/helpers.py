@@ -1,4 +1,4 @@
-"""Shared test helpers: the embedded model's files and small polling utilities."""
+"""Shared test helpers: the embedded model's files, real servers, polling and scraping."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
+
+from berth_common.cli import berth_command
+from berth_common.server_process import ServerProcess, free_port
 
 T = TypeVar("T")
 
@@ -50,52 +53,13 @@ def wait_for(
         time.sleep(interval)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RunningServer:
+class RunningServer(ServerProcess):
     """A real `berth serve` process on a free loopback port, for integration tests."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        import os
-        import subprocess
-        import sys
-
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "berth_runtime.cli", "serve", "--port", str(self.port), *args]
-        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"berth-test-{self.port}.log"
-        self.log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
-        self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-        )
-
-    def wait_ready(self, timeout: float = 180.0) -> RunningServer:
-        import httpx
-
-        def ready() -> bool:
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"server exited with {self.proc.returncode}:\n{self.output()[-5000:]}"
-                )
-            try:
-                return httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(ready, timeout, interval=0.25, what="the server to become healthy")
-        return self
-
-    def output(self) -> str:
-        """Everything the server has logged so far."""
-        if not self.log.closed:
-            self.log.flush()
-        return self.log_path.read_text(errors="replace")
+        port = free_port()
+        cmd = berth_command("serve", "--port", str(port), *args)
+        super().__init__(cmd, port, "/health", name="berth-test", env=env)
 
     def child_pids(self) -> list[int]:
         import psutil
@@ -104,20 +68,6 @@ class RunningServer:
             return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
         except psutil.NoSuchProcess:
             return []
-
-    def stop(self, timeout: float = 30.0) -> int:
-        import signal
-        import subprocess
-
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
 
 
 def scrape(base_url: str) -> dict[tuple[str, frozenset], float]:

@@ -1,3 +1,5 @@
-"""Berth serving runtime: OpenAI-compatible server, scheduler, engine and router."""
+"""Berth serving runtime: the OpenAI-compatible API server and the engine behind it."""
 
-__version__ = "0.1.0"
+from berth_common import __version__
+
+__all__ = ["__version__"]

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from berth_runtime.utils.dataclass_cli import DataclassCli
+from berth_common.dataclass_cli import DataclassCli
 
 DEFAULT_PORT = 30000
 DEFAULT_SERVED_NAME = "smollm2-135m-instruct"
@@ -42,17 +42,18 @@ class ServerArgs(DataclassCli):
     gguf_q4_max_batch: int = field(
         default=8,
         metadata={
-            "help": "On CPU in bfloat16, run steps of at most this many tokens (decode batches of "
-            "up to N sequences) with a GGUF source's own 4-bit Q4_0/Q4_1 projection weights "
-            "(a quarter of the bytes; larger steps use bf16); 0 turns it off."
+            "help": "On CPU in bfloat16, run decode steps of at most this many sequences with a "
+            "GGUF source's own 4-bit Q4_0/Q4_1 projection weights (a quarter of the bytes; "
+            "prefill and larger decode steps use bf16); 0 turns it off."
         },
     )
     attention_backend: Literal["auto", "torch_native", "berth_cpu"] = field(
         default="auto",
         metadata={
             "help": "Kernels for attention and RMSNorm. berth_cpu: Berth's C++ CPU kernels, "
-            "built once on first start and cached (decode attention reads K/V in place through "
-            "slot indices; fused RMSNorm); needs a C++ compiler. torch_native: eager PyTorch "
+            "built once on first start and cached (attention reads K/V in place through slot "
+            "indices, each token alone, in prefill and decode; fused RMSNorm; exact top logits); "
+            "needs a C++ compiler. torch_native: eager PyTorch "
             "(a K/V gather + SDPA), any device. auto = berth_cpu on CPU when the kernels build "
             "there (else torch_native, with a warning), torch_native on CUDA."
         },

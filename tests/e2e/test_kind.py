@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -25,6 +24,7 @@ import httpx
 import pytest
 import yaml
 
+from berth_common.server_process import free_port
 from berth_operator import __version__
 
 pytestmark = pytest.mark.e2e
@@ -109,9 +109,7 @@ def cpu_sample(**spec_overrides: Any) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def port_forward(namespace: str, service: str, port: int) -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        local = s.getsockname()[1]
+    local = free_port()
     proc = subprocess.Popen(
         ["kubectl", "-n", namespace, "port-forward", f"svc/{service}", f"{local}:{port}"],
         stdout=subprocess.PIPE,

@@ -1,4 +1,5 @@
-"""The `berth bench` command line: `berth bench [run] ...` and `berth bench compare ...`."""
+"""The `berth bench` command line: `berth bench [run] ...` (the comparison with baselines is
+`make bench`, from the repository's `benchmarks/`)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,6 @@ examples:
   berth bench --launch-server --server-args "--dtype bfloat16" --output-file result.json
 """
 
-COMPARE_EPILOG = """\
-The quick default (two rounds, Berth first then the baseline first) finishes in about five
-minutes on 2 cores; --full runs three rounds, more prompts per scenario and both dtypes for the
-baseline. `make bench BENCH_ARGS="--full"` does the same.
-"""
-
 
 def _rate(value: str) -> float:
     rate = float(value)
@@ -41,22 +36,18 @@ def _length(value: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(str(err)) from err
 
 
-def _positive(value: str) -> int:
+def positive(value: str) -> int:
     number = int(value)
     if number < 1:
         raise argparse.ArgumentTypeError("must be >= 1")
     return number
 
 
-def _csv(value: str) -> list[str]:
-    return [part.strip() for part in value.split(",") if part.strip()]
-
-
 def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="berth bench",
         description="Benchmark an OpenAI-compatible server with a seeded synthetic workload "
-        "(`berth bench compare --help`: Berth vs HF transformers side by side).",
+        "(Berth vs HF transformers side by side: `make bench` in a checkout).",
         epilog=RUN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -84,7 +75,7 @@ def run_parser() -> argparse.ArgumentParser:
 
     work = p.add_argument_group("workload")
     work.add_argument("--workload", choices=WORKLOADS, default="random")
-    work.add_argument("--num-prompts", type=_positive, default=32)
+    work.add_argument("--num-prompts", type=positive, default=32)
     work.add_argument(
         "--input-len",
         type=_length,
@@ -92,12 +83,12 @@ def run_parser() -> argparse.ArgumentParser:
         "(random: 256, chat: 48)",
     )
     work.add_argument("--output-len", type=_length, help="output tokens, N or MIN:MAX (128)")
-    work.add_argument("--shared-prefix-len", type=_positive, default=2000, help="shared-prefix: P")
+    work.add_argument("--shared-prefix-len", type=positive, default=2000, help="shared-prefix: P")
     work.add_argument(
-        "--question-len", type=_positive, default=32, help="shared-prefix: tokens after the prefix"
+        "--question-len", type=positive, default=32, help="shared-prefix: tokens after the prefix"
     )
     work.add_argument(
-        "--num-groups", type=_positive, default=1, help="shared-prefix: groups (distinct prefixes)"
+        "--num-groups", type=positive, default=1, help="shared-prefix: groups (distinct prefixes)"
     )
     work.add_argument("--tokenizer", help="tokenizer directory (default: the embedded model's)")
     work.add_argument("--seed", type=int, default=0, help="seeds prompts and Poisson arrivals")
@@ -105,7 +96,7 @@ def run_parser() -> argparse.ArgumentParser:
     load = p.add_argument_group("load")
     load.add_argument(
         "--concurrency",
-        type=_positive,
+        type=positive,
         help="closed loop: at most N requests in flight (default: unbounded)",
     )
     load.add_argument(
@@ -130,54 +121,6 @@ def run_parser() -> argparse.ArgumentParser:
         "--no-details", action="store_true", help="leave per-request timings out of the JSON"
     )
     out.add_argument("--disable-tqdm", action="store_true")
-    return p
-
-
-def compare_parser() -> argparse.ArgumentParser:
-    from berth_runtime.bench.compare import SCENARIOS
-
-    p = argparse.ArgumentParser(
-        prog="berth bench compare",
-        description="Launch `berth serve`, measure it, then HF transformers generate() on the "
-        "same prompts in this process (and llama.cpp's server if installed); print the ratios.",
-        epilog=COMPARE_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--full", action="store_true", help="the full run (more prompts, both dtypes)")
-    p.add_argument(
-        "--scenarios",
-        type=_csv,
-        default=list(SCENARIOS),
-        help=f"comma list of {','.join(SCENARIOS)} (default: all)",
-    )
-    p.add_argument(
-        "--berth-dtype",
-        type=_csv,
-        default=["auto"],
-        help="Berth's --dtype; a comma list measures one server per dtype (default auto)",
-    )
-    p.add_argument("--server-args", default="", help="more flags for `berth serve`")
-    p.add_argument("--hf-single-dtypes", type=_csv, help="HF sequential dtypes (quick: fp32)")
-    p.add_argument("--hf-batch-dtypes", type=_csv, help="HF static batch dtypes (quick: bf16)")
-    p.add_argument("--num-single", type=_positive, help="prompts, single stream (quick 3)")
-    p.add_argument("--num-c8", type=_positive, help="prompts at 8 concurrent (quick 8)")
-    p.add_argument("--num-c32", type=_positive, help="prompts at 32 concurrent (quick 32)")
-    p.add_argument("--input-len", type=_positive, help="chat prompt tokens (48)")
-    p.add_argument("--output-len", type=_positive, help="output tokens (128)")
-    p.add_argument("--prefix-len", type=_positive, help="shared prefix tokens (2000)")
-    p.add_argument("--prefix-groups", type=_positive, help="shared-prefix pairs (quick 1)")
-    p.add_argument(
-        "--rounds",
-        type=_positive,
-        help="measure everything this many times, alternating which system goes first; "
-        "targets are judged on the medians (quick 2, full 3)",
-    )
-    p.add_argument("--skip-berth", action="store_true")
-    p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--skip-llama-cpp", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-file", help="write the whole report as JSON here")
-    p.add_argument("--disable-tqdm", action="store_true")
     return p
 
 
@@ -208,12 +151,12 @@ def run_main(argv: list[str]) -> int:
     server = None
     base_url, server_pid = args.base_url, args.server_pid
     if args.launch_server:
-        from berth_runtime.bench.server import launch_berth
+        from berth_common.server_process import berth_server
 
-        server = launch_berth(shlex.split(args.server_args))
+        server = berth_server("serve", *shlex.split(args.server_args), name="berth-bench")
         print(f"[bench] launched {' '.join(server.cmd)}", file=sys.stderr)
         try:
-            server.wait_ready()
+            server.wait_ready(timeout=600)
         except Exception as err:
             server.stop()
             print(f"[bench] the server did not start: {err}", file=sys.stderr)
@@ -260,52 +203,6 @@ def run_main(argv: list[str]) -> int:
     return 0 if result["completed"] == result["num_requests"] else 1
 
 
-def compare_main(argv: list[str]) -> int:
-    args = compare_parser().parse_args(argv)
-    from berth_runtime.bench.compare import (
-        SCENARIOS,
-        CompareConfig,
-        compare,
-        failed_berth_runs,
-        render,
-        write_report,
-    )
-
-    unknown = [s for s in args.scenarios if s not in SCENARIOS]
-    if unknown:
-        compare_parser().error(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
-    cfg = CompareConfig.full() if args.full else CompareConfig()
-    cfg.scenarios = args.scenarios
-    cfg.berth_dtypes = args.berth_dtype
-    cfg.server_args = shlex.split(args.server_args)
-    overrides = {
-        "hf_single_dtypes": args.hf_single_dtypes,
-        "hf_batch_dtypes": args.hf_batch_dtypes,
-        "num_single": args.num_single,
-        "num_c8": args.num_c8,
-        "num_c32": args.num_c32,
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        "prefix_len": args.prefix_len,
-        "prefix_groups": args.prefix_groups,
-        "rounds": args.rounds,
-    }
-    for key, value in overrides.items():
-        if value is not None:
-            setattr(cfg, key, value)
-    cfg.run_berth = not args.skip_berth
-    cfg.run_hf = not args.skip_hf
-    cfg.run_llama_cpp = not args.skip_llama_cpp
-    cfg.seed = args.seed
-    cfg.disable_tqdm = args.disable_tqdm
-    report = compare(cfg)
-    print(render(report))
-    if args.output_file:
-        write_report(report, args.output_file)
-        print(f"[bench] wrote {args.output_file}", file=sys.stderr)
-    return 1 if failed_berth_runs(report) else 0
-
-
 def _without_requests(result: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in result.items() if k != "requests"}
 
@@ -319,7 +216,10 @@ def _write_json(data: dict[str, Any], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "compare":
-        return compare_main(argv[1:])
+        run_parser().error(
+            "`berth bench compare` moved to the repository's benchmarks/: run `make bench` "
+            "(or `python -m benchmarks.compare`) in a checkout"
+        )
     if argv and argv[0] == "run":
         argv = argv[1:]
     return run_main(argv)

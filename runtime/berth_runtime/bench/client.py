@@ -27,8 +27,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from berth_runtime.bench.memory import MemorySampler
 from berth_runtime.bench.metrics import RequestResult, summarize
-from berth_runtime.bench.server import MemorySampler
 from berth_runtime.bench.workload import Api, BenchRequest
 
 WARMUP_PROMPT = "Say hello."

@@ -17,18 +17,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from berth_common.auth import ApiKeyMiddleware
+from berth_common.errors import RequestError
+from berth_common.http import SSE_DONE, add_error_handlers, error_response, sse_event
 from berth_runtime import __version__
 from berth_runtime.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     validation_error,
 )
-from berth_runtime.errors import RequestError
 from berth_runtime.io_struct import GenerateReqInput
 from berth_runtime.metrics import HttpMetricsMiddleware, MetricsCollector
 from berth_runtime.sampling_params import SamplingParams
 from berth_runtime.server_args import ServerArgs
-from berth_runtime.utils.auth import ApiKeyMiddleware
 
 # Endpoints that stay open without an API key (probes, scrapers and the operator, which reads
 # the load without holding the key; they say no more than /metrics does).
@@ -86,8 +87,13 @@ class RankHeaderMiddleware:
         await self.app(scope, receive, send_with_rank)
 
 
-def _error_response(err: RequestError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers or None)
+def add_api_error_handlers(app: FastAPI) -> None:
+    """Every error as an OpenAI body; invalid request fields are 400s (never FastAPI's 422)."""
+    add_error_handlers(app, "internal error")
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc.errors()))
 
 
 def create_app(state: ServerState, lifespan: Any = None) -> Any:
@@ -95,18 +101,7 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
     app = FastAPI(title="Berth", version=__version__, lifespan=lifespan)
     app.state.server = state
 
-    @app.exception_handler(RequestError)
-    async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
-        return _error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(validation_error(exc.errors()))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-        err = RequestError(f"internal error: {type(exc).__name__}: {exc}", 500)
-        return _error_response(err)
+    add_api_error_handlers(app)
 
     # --- health ---------------------------------------------------------------------------
 
@@ -394,20 +389,16 @@ async def _stream_generate(tm: Any, obj: GenerateReqInput, raw_request: Request)
     except StopAsyncIteration:
         first = None
 
-    async def body() -> AsyncIterator[bytes]:
+    async def body() -> AsyncIterator[str]:
         try:
             if first is not None:
-                yield _sse(first)
+                yield sse_event(first)
                 async for out in gen:
-                    yield _sse(out)
+                    yield sse_event(out)
         except RequestError as e:
-            yield _sse({"error": e.body()})
+            yield sse_event({"error": e.body()})
         finally:
             await gen.aclose()
-        yield b"data: [DONE]\n\n"
+        yield SSE_DONE
 
     return StreamingResponse(body(), media_type="text/event-stream")
-
-
-def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"

@@ -15,11 +15,14 @@ from typing import Any
 
 import uvicorn
 
+from berth_common.http import uvicorn_config
+from berth_common.logging import configure_logging
+from berth_common.process import set_process_title, stop_processes
 from berth_runtime.entrypoints.http_server import ServerState, create_app
+from berth_runtime.kernels.cpu import toolchain_problem
+from berth_runtime.model_executor.device import berth_cpu_problem, resolve_device
 from berth_runtime.models.loader import ModelSourceError, check_model_dir, resolve_model
 from berth_runtime.server_args import BUILTIN_MODEL, ServerArgs
-from berth_runtime.utils.logging import configure_logging
-from berth_runtime.utils.process import set_process_title, stop_processes
 from berth_runtime.utils.zmq_ipc import PortArgs
 
 logger = logging.getLogger(__name__)
@@ -165,14 +168,14 @@ def launch_server(args: ServerArgs) -> int:
                 await state.tokenizer_manager.close()
 
     app = create_app(state, lifespan=lifespan)
-    config = uvicorn.Config(
+    # SIGTERM drains first (BerthServer); then uvicorn gives what is left 5 s.
+    config = uvicorn_config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        log_config=None,
-        timeout_graceful_shutdown=5,
-        lifespan="on",
+        graceful_shutdown_s=5,
+        access_log=True,
     )
     server = BerthServer(config, state)
     try:
@@ -208,11 +211,8 @@ def _precheck_model(args: ServerArgs) -> None:
 
 
 def _precheck_device(args: ServerArgs) -> None:
-    if args.device == "cuda":
-        import torch  # only here: the API process otherwise never needs torch
-
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda was requested but no CUDA device is available")
+    if args.device == "cuda":  # only then: the API process otherwise never needs torch
+        resolve_device(args.device)
 
 
 async def _start_engine(state: ServerState, engine: Engine, server: BerthServer) -> None:
@@ -297,15 +297,9 @@ def _precheck_attention_backend(args: ServerArgs) -> None:
     the scheduler builds and loads the kernels."""
     if args.attention_backend != "berth_cpu":
         return
-    if args.device == "cuda":
-        raise ValueError("--attention-backend berth_cpu runs on CPU only, not with --device cuda")
-    from berth_runtime.kernels.cpu import DTYPES_BY_NAME, toolchain_problem
-
-    if args.dtype not in ("auto", *DTYPES_BY_NAME):
-        raise ValueError(
-            f"--attention-backend berth_cpu takes float32 or bfloat16, not {args.dtype}"
-        )
-
+    problem = berth_cpu_problem(args.device, args.dtype)
+    if problem is not None:
+        raise ValueError(f"--attention-backend berth_cpu {problem}")
     problem = toolchain_problem()
     if problem is not None:
         raise ValueError(f"--attention-backend berth_cpu: {problem}")

@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from berth_runtime.errors import RequestError
+from berth_common.errors import RequestError
 
 MAX_N = 16
 MAX_STOP_STRINGS = 64

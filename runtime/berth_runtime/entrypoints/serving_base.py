@@ -16,7 +16,6 @@ streaming, the HTTP error of its abort status; when streaming, one SSE event
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -29,8 +28,9 @@ from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
+from berth_common.errors import RequestError
+from berth_common.http import SSE_DONE, sse_event
 from berth_runtime.entrypoints.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
-from berth_runtime.errors import RequestError
 from berth_runtime.io_struct import GenerateReqInput
 from berth_runtime.sampling_params import SamplingParams
 
@@ -40,7 +40,6 @@ RequestT = TypeVar("RequestT", bound=SamplingRequest)
 DP_RANK_HEADER = "X-Data-Parallel-Rank"
 ROUTING_KEY_HEADER = "X-Routing-Key"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-SSE_DONE = "data: [DONE]\n\n"
 
 
 class EngineClient(Protocol):
@@ -236,12 +235,6 @@ def raise_if_aborted(out: Output) -> None:
 def finite(logprob: float) -> float:
     """A JSON-safe logprob: -inf (a token masked out) becomes -9999.0, as vLLM does."""
     return max(logprob, -9999.0)
-
-
-def sse_event(payload: BaseModel | dict[str, Any], exclude: set[str] | None = None) -> str:
-    if isinstance(payload, BaseModel):
-        return f"data: {payload.model_dump_json(exclude=exclude)}\n\n"
-    return f"data: {json.dumps(payload)}\n\n"
 
 
 async def event_stream(

@@ -7,6 +7,7 @@ from functools import partial
 import jinja2
 from fastapi import Request
 
+from berth_common.errors import RequestError
 from berth_runtime.entrypoints.protocol import (
     ChatCompletionChoice,
     ChatCompletionMessage,
@@ -30,7 +31,6 @@ from berth_runtime.entrypoints.serving_base import (
     sampling_params,
     usage_info,
 )
-from berth_runtime.errors import RequestError
 from berth_runtime.io_struct import GenerateReqInput
 
 

@@ -8,11 +8,11 @@ from multiprocessing.connection import Connection
 
 import zmq
 
+from berth_common.logging import configure_logging
+from berth_common.process import init_child_process
 from berth_runtime.io_struct import SchedulerStats, ToDetokenizer
 from berth_runtime.managers.detokenizer_manager import IncrementalDetokenizer, detokenize_batch
 from berth_runtime.server_args import ServerArgs
-from berth_runtime.utils.logging import configure_logging
-from berth_runtime.utils.process import init_child_process
 from berth_runtime.utils.zmq_ipc import PortArgs, Receiver, Sender
 
 logger = logging.getLogger(__name__)

@@ -10,6 +10,8 @@ from multiprocessing.connection import Connection
 import torch
 import zmq
 
+from berth_common.logging import configure_logging
+from berth_common.process import init_child_process
 from berth_runtime.io_struct import (
     AbortReq,
     FlushCacheReq,
@@ -19,8 +21,6 @@ from berth_runtime.io_struct import (
 from berth_runtime.managers.scheduler import Scheduler
 from berth_runtime.model_executor.model_runner import LoadProgress, ModelRunner
 from berth_runtime.server_args import ServerArgs
-from berth_runtime.utils.logging import configure_logging
-from berth_runtime.utils.process import init_child_process
 from berth_runtime.utils.zmq_ipc import PortArgs, Receiver, Sender
 
 logger = logging.getLogger(__name__)
@@ -68,19 +68,7 @@ def run_scheduler_process(
 
     try:
         progress = LoadProgress(report=report)
-        runner = ModelRunner(
-            model_path,
-            dtype=args.dtype,
-            device=args.device,
-            context_length=args.context_length,
-            max_total_tokens=args.max_total_tokens,
-            max_running_requests=args.max_running_requests,
-            gguf_q4_max_batch=args.gguf_q4_max_batch,
-            attention_backend=args.attention_backend,
-            cache_dir=args.model_cache_dir,
-            seed=args.random_seed,
-            progress=progress,
-        )
+        runner = ModelRunner(model_path, args, progress)
         tokenizer = load_tokenizer(model_path)
         scheduler = Scheduler(
             args,
@@ -126,8 +114,8 @@ def warmup(scheduler: Scheduler) -> None:
     scheduler.handle_generate(msg)
     while not scheduler.is_idle:
         scheduler.step()
-    scheduler.stats.generated_tokens = scheduler.stats.window_tokens = 0
-    scheduler.stats.prompt_tokens = scheduler.stats.step_count = 0
+    stats = scheduler.outputs.stats
+    stats.generated_tokens = stats.window_tokens = stats.prompt_tokens = stats.step_count = 0
 
 
 def event_loop(scheduler: Scheduler, ports: PortArgs, parent_pid: int) -> None:

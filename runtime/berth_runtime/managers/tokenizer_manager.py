@@ -17,7 +17,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from berth_runtime.errors import EngineDeadError, RequestError
+from berth_common.errors import EngineDeadError, RequestError
 from berth_runtime.io_struct import (
     AbortReq,
     BatchStrOut,

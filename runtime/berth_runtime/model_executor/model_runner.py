@@ -18,10 +18,12 @@ from transformers import AutoConfig
 
 from berth_runtime.kernels import cpu as cpu_kernels
 from berth_runtime.mem_cache.kv_pool import ReqToTokenPool, TokenToKVPool
+from berth_runtime.model_executor.device import berth_cpu_problem, resolve_device
 from berth_runtime.model_executor.forward_batch import ForwardBatch
 from berth_runtime.models.gguf_q4 import can_run_int4
 from berth_runtime.models.llama import MODEL_CLASSES, can_prepack_cpu_linears
 from berth_runtime.models.loader import Q4_GROUPS_FILE, default_cache_dir
+from berth_runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +64,6 @@ class LoadProgress:
         }
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was requested but no CUDA device is available")
-    return torch.device(device)
-
-
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """`auto`: bf16 on CUDA, and on CPUs with native bf16 (AVX512-BF16 / AMX), where bf16 weights
     (prepacked for oneDNN) and KV decode faster than fp32 at every batch size measured, batch 1
@@ -91,23 +85,14 @@ class ModelRunner:
     """Owns the model weights, the KV pool and the request-to-slot table of one scheduler."""
 
     def __init__(
-        self,
-        model_path: str,
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        context_length: int | None = None,
-        max_total_tokens: int | None = None,
-        max_running_requests: int = 64,
-        gguf_q4_max_batch: int = 0,
-        attention_backend: str = "auto",
-        cache_dir: str | None = None,
-        seed: int = 0,
-        progress: LoadProgress | None = None,
+        self, model_path: str, args: ServerArgs, progress: LoadProgress | None = None
     ) -> None:
-        torch.manual_seed(seed)
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        """Load `model_path` (a Hugging Face directory; `args.model` is its source) as `args`
+        says: dtype, device, context length, KV capacity, batch slots, 4-bit weights, kernels."""
+        torch.manual_seed(args.random_seed)
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        context_length = args.context_length
         self.config = AutoConfig.from_pretrained(model_path)
         arch = (self.config.architectures or ["LlamaForCausalLM"])[0]
         model_cls = MODEL_CLASSES[arch]
@@ -129,20 +114,24 @@ class ModelRunner:
         self.prepacked = can_prepack_cpu_linears(self.dtype, self.device)
         if self.prepacked:
             model.prepack_cpu_linears()
-        self.gguf_q4_max_batch = gguf_q4_max_batch
-        self.q4_bytes = self._attach_q4(model, model_path, gguf_q4_max_batch)
-        self.attention_backend = self._enable_kernels(model, attention_backend, cache_dir)
+        self.gguf_q4_max_batch = args.gguf_q4_max_batch
+        self.q4_bytes = self._attach_q4(model, model_path, args.gguf_q4_max_batch)
+        self.attention_backend = self._enable_kernels(
+            model, args.attention_backend, args.model_cache_dir
+        )
         self.model = model.eval()
         self.load_time_s = time.perf_counter() - start
 
         attn = model.layers[0].self_attn
         self.num_layers = len(model.layers)
-        kv_tokens = max_total_tokens or self._default_kv_tokens(attn.num_kv_heads, attn.head_dim)
+        kv_tokens = args.max_total_tokens or self._default_kv_tokens(
+            attn.num_kv_heads, attn.head_dim
+        )
         self.kv_pool = TokenToKVPool(
             kv_tokens, self.num_layers, attn.num_kv_heads, attn.head_dim, self.dtype, self.device
         )
         self.req_to_token_pool = ReqToTokenPool(
-            max_running_requests + 1, self.context_len + 1, self.device
+            args.max_running_requests + 1, self.context_len + 1, self.device
         )
         logger.info(
             "Loaded %s (%s, %s on %s) in %.2fs; KV cache %d tokens (%.0f MB)",
@@ -174,13 +163,12 @@ class ModelRunner:
     def _enable_kernels(self, model, backend: str, cache_dir: str | None) -> str:
         """Resolve --attention-backend to `berth_cpu` or `torch_native` and set the model up for
         it; an explicit berth_cpu that cannot run here is an error, auto falls back."""
-        if backend == "torch_native" or (backend == "auto" and self.device.type != "cpu"):
+        if backend == "torch_native":
             return "torch_native"
-        if self.device.type != "cpu":
-            raise ValueError("--attention-backend berth_cpu runs on CPU only")
-        if str(self.dtype).removeprefix("torch.") not in cpu_kernels.DTYPES_BY_NAME:
+        problem = berth_cpu_problem(self.device.type, str(self.dtype).removeprefix("torch."))
+        if problem is not None:
             if backend == "berth_cpu":
-                raise ValueError("--attention-backend berth_cpu takes float32 or bfloat16")
+                raise ValueError(f"--attention-backend berth_cpu {problem}")
             return "torch_native"
         try:
             cpu_kernels.load(Path(cache_dir) if cache_dir else default_cache_dir())

@@ -1,12 +1,105 @@
-"""Sampler: turn a batch of logits into next tokens, vectorized over the batch."""
+"""Sampler: turn a batch of logits into next tokens (and their logprobs), vectorized over the
+batch: logit bias, penalties and min_tokens first, then greedy or seeded sampling."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from berth_runtime.io_struct import TopLogprobs
 from berth_runtime.sampling_params import SamplingParams
+
+
+class SamplingRow(Protocol):
+    """What sampling reads of a request (the scheduler's `Req`)."""
+
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    return_logprob: bool
+    top_logprobs_num: int
+    output_ids: list[int]
+    origin_input_ids: list[int]
+
+
+@dataclass
+class SampleOutput:
+    """One step's choice per row, with its logprob and top logprobs where asked for."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[TopLogprobs | None]
+
+
+def sample_rows(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: set[int]
+) -> SampleOutput:
+    """Next tokens for fp32 `logits` [B, V] of `rows` (modified in place where a row asks for
+    bias, penalties or min_tokens). Logprobs are those of the model, before any processing."""
+    none: list = [None] * len(rows)
+    if all(plain_greedy(r) for r in rows):
+        # max().indices, like argmax, takes the first maximum (and is faster).
+        return SampleOutput(logits.max(dim=-1).indices.tolist(), none, list(none))
+    raw_logprobs = None
+    if any(r.return_logprob for r in rows):
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+    process_logits(logits, rows, eos_token_ids)
+    infos = SamplingBatchInfo.build(
+        [r.sampling_params for r in rows],
+        [r.generator for r in rows],
+        logits.shape[-1],
+        logits.device,
+    )
+    token_ids = sample(logits, infos).tolist()
+    logprobs, tops = list(none), list(none)
+    if raw_logprobs is not None:
+        for i, (row, token) in enumerate(zip(rows, token_ids)):
+            if row.return_logprob:
+                logprobs[i] = float(raw_logprobs[i, token])
+                if row.top_logprobs_num:
+                    tops[i] = top_logprobs(raw_logprobs[i], row.top_logprobs_num)
+    return SampleOutput(token_ids, logprobs, tops)
+
+
+def plain_greedy(row: SamplingRow) -> bool:
+    """Greedy with nothing that reads or changes the logits (logprobs, bias, penalties,
+    min_tokens)."""
+    params = row.sampling_params
+    return (
+        params.is_greedy
+        and not row.return_logprob
+        and not params.logit_bias
+        and not params.has_penalties
+        and len(row.output_ids) >= params.min_new_tokens
+    )
+
+
+def process_logits(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: set[int]
+) -> None:
+    """Logit bias, penalties and min_tokens, only for the rows that ask for them."""
+    for i, row in enumerate(rows):
+        params = row.sampling_params
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias), device=logits.device)
+            bias = torch.tensor(list(params.logit_bias.values()), device=logits.device)
+            logits[i, ids] += bias
+        if params.has_penalties:
+            apply_penalties(logits, i, params, row.output_ids, row.origin_input_ids)
+        if len(row.output_ids) < params.min_new_tokens:
+            banned = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned |= eos_token_ids
+            if banned:
+                logits[i, list(banned)] = float("-inf")
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> TopLogprobs:
+    """The k most likely (logprob, token id) pairs of one row."""
+    values, ids = torch.topk(logprobs, k)
+    return list(zip(values.tolist(), ids.tolist()))
 
 
 @dataclass

@@ -1,1 +1,1 @@
-"""Small shared helpers: IPC sockets, logging, process management, dataclass CLI flags."""
+"""Runtime helpers: typed ZeroMQ IPC sockets (what deployables share is in berth_common)."""

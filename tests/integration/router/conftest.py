@@ -8,69 +8,30 @@ from __future__ import annotations
 
 import http.server
 import json
-import os
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.helpers import (
-    RunningServer,
-    embedded_model_dir,
-    free_port,
-    running_servers,
-    wait_for,
-)
+from berth_common.cli import berth_command
+from berth_common.server_process import ServerProcess, free_port
+from tests.helpers import RunningServer, embedded_model_dir, running_servers
 
 RANKS = 3
 
 
-class RunningRouter:
+class RunningRouter(ServerProcess):
     """A real `berth router` process on a free loopback port."""
 
     def __init__(self, *args: str) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "berth_runtime.cli", "router", "--port", str(self.port)]
-        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"berth-router-{self.port}.log"
-        self.log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
-        self.proc = subprocess.Popen([*cmd, *args], stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 30.0) -> RunningRouter:
-        def ready() -> bool:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"router exited {self.proc.returncode}:\n{self.output()}")
-            try:
-                return httpx.get(f"{self.base_url}/readiness", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(ready, timeout, interval=0.1, what="the router to become ready")
-        return self
+        port = free_port()
+        cmd = berth_command("router", "--port", str(port), *args)
+        super().__init__(cmd, port, "/readiness", name="berth-router-test")
 
     def workers(self) -> dict[int, dict]:
         body = httpx.get(f"{self.base_url}/workers", timeout=5).json()
         return {w["dp_rank"]: w for w in body["workers"]}
-
-    def output(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return self.log_path.read_text(errors="replace")[-5000:]
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
 
 
 class Always503(http.server.BaseHTTPRequestHandler):

@@ -22,7 +22,7 @@ import kmock
 import openai
 import pytest
 
-from berth_runtime.router.policies import rendezvous_order
+from berth_router.policies import rendezvous_order
 from tests.helpers import RunningServer, metric, scrape, wait_for
 
 from .conftest import RunningRouter

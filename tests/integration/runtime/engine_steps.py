@@ -6,6 +6,13 @@ import torch
 
 from berth_runtime.model_executor.forward_batch import ForwardBatch
 from berth_runtime.model_executor.model_runner import ModelRunner
+from berth_runtime.server_args import ServerArgs
+from tests.helpers import embedded_model_dir
+
+
+def load_runner(**settings) -> ModelRunner:
+    """The embedded model in a ModelRunner configured as `berth serve` with these settings."""
+    return ModelRunner(embedded_model_dir(), ServerArgs(**settings))
 
 
 def prefill(runner: ModelRunner, prompts: list[list[int]]) -> tuple[list[int], torch.Tensor]:

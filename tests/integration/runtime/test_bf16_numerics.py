@@ -8,11 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from berth_runtime.model_executor.model_runner import ModelRunner
 from berth_runtime.server_args import ServerArgs
 from tests.helpers import embedded_model_dir, embedded_tokenizer
 from tests.integration.runtime.chat_prompts import QUESTIONS, prompt_ids
-from tests.integration.runtime.engine_steps import prefill
+from tests.integration.runtime.engine_steps import load_runner, prefill
 
 # Measured on this model (mean |logprob error| over fp32's top five): HF bf16 0.046, Berth
 # defaults 0.039, CUDA-path settings 0.035. The bound allows Berth 5% more than HF, no more.
@@ -34,7 +33,7 @@ def hf_logprobs(prompts: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
 
 
 def berth_logprobs(prompts: list[list[int]], **settings) -> torch.Tensor:
-    runner = ModelRunner(embedded_model_dir(), max_total_tokens=1024, **settings)
+    runner = load_runner(max_total_tokens=1024, **settings)
     rows = []
     for prompt in prompts:
         runner.kv_pool.clear()

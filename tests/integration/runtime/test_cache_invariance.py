@@ -10,19 +10,16 @@ import torch
 from berth_runtime.model_executor.forward_batch import ForwardBatch
 from berth_runtime.model_executor.model_runner import ModelRunner
 from berth_runtime.server_args import ServerArgs
-from tests.helpers import embedded_model_dir, embedded_tokenizer
+from tests.helpers import embedded_tokenizer
 from tests.integration.runtime.chat_prompts import QUESTIONS, prompt_ids
+from tests.integration.runtime.engine_steps import load_runner
 
 DEFAULTS = ServerArgs()
 
 
 def load(**settings) -> ModelRunner:
-    settings = {
-        "attention_backend": DEFAULTS.attention_backend,
-        "gguf_q4_max_batch": DEFAULTS.gguf_q4_max_batch,
-        **settings,
-    }
-    return ModelRunner(embedded_model_dir(), max_total_tokens=2048, **settings)
+    """The engine at `berth serve`'s defaults, but for `settings`."""
+    return load_runner(max_total_tokens=2048, **settings)
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])

@@ -10,8 +10,8 @@ import torch
 from berth_runtime.model_executor import model_runner
 from berth_runtime.model_executor.model_runner import ModelRunner, cpu_has_native_bf16
 from berth_runtime.models.llama import can_prepack_cpu_linears
-from tests.helpers import embedded_model_dir, embedded_tokenizer
-from tests.integration.runtime.engine_steps import greedy_run
+from tests.helpers import embedded_tokenizer
+from tests.integration.runtime.engine_steps import greedy_run, load_runner
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
 STEPS = 12
@@ -24,7 +24,7 @@ def test_auto_dtype_follows_the_cpu():
 
 
 def load(dtype: str) -> ModelRunner:
-    return ModelRunner(embedded_model_dir(), dtype=dtype, max_total_tokens=512)
+    return load_runner(dtype=dtype, max_total_tokens=512, gguf_q4_max_batch=0)
 
 
 @pytest.fixture(scope="module")

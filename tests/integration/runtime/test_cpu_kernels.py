@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from berth_runtime.kernels import cpu as cpu_kernels
 from berth_runtime.model_executor.model_runner import ModelRunner
 from berth_runtime.models.loader import default_cache_dir
-from tests.helpers import embedded_model_dir, embedded_tokenizer
+from tests.helpers import embedded_tokenizer
 from tests.integration.runtime.chat_prompts import QUESTIONS
-from tests.integration.runtime.engine_steps import forced_decode_logits, greedy_run
+from tests.integration.runtime.engine_steps import forced_decode_logits, greedy_run, load_runner
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -323,26 +323,21 @@ def test_auto_falls_back_to_torch_native_when_kernels_cannot_build(tmp_path, mon
     monkeypatch.setattr(cpu_kernels, "_error", None)
     monkeypatch.delenv(cpu_kernels.KERNELS_DIR_ENV, raising=False)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    runner = ModelRunner(embedded_model_dir(), dtype="float32", cache_dir=str(tmp_path))
+    runner = load_runner(dtype="float32", model_cache_dir=str(tmp_path))
     assert runner.attention_backend == "torch_native"
     assert "CPU kernels unavailable" in caplog.text
     with pytest.raises(ValueError, match="--attention-backend berth_cpu: no C\\+\\+ compiler"):
-        ModelRunner(
-            embedded_model_dir(),
-            dtype="float32",
-            attention_backend="berth_cpu",
-            cache_dir=str(tmp_path),
-        )
+        load_runner(dtype="float32", attention_backend="berth_cpu", model_cache_dir=str(tmp_path))
 
 
 def test_float16_keeps_torch_native():
     """The kernels take fp32 and bf16; --dtype float16 on CPU runs on PyTorch's own ops."""
-    runner = ModelRunner(embedded_model_dir(), dtype="float16", max_total_tokens=256)
+    runner = load_runner(dtype="float16", max_total_tokens=256)
     assert runner.attention_backend == "torch_native"
     _, tokens = greedy_run(runner, [embedded_tokenizer().encode("The capital of France is")], 2)
     assert len(tokens[0]) == 3
     with pytest.raises(ValueError, match="berth_cpu takes float32 or bfloat16"):
-        ModelRunner(embedded_model_dir(), dtype="float16", attention_backend="berth_cpu")
+        load_runner(dtype="float16", attention_backend="berth_cpu")
 
 
 # bf16 rounding is chaotic: one prompt's error moves by tens of percent with any change of
@@ -351,9 +346,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", *QUESTIONS[:10
 
 
 def runner(dtype: str, backend: str) -> ModelRunner:
-    # ModelRunner leaves the 4-bit GGUF path off by default: only the kernels differ here.
-    return ModelRunner(
-        embedded_model_dir(), dtype=dtype, attention_backend=backend, max_total_tokens=512
+    # The 4-bit GGUF path off: only the kernels differ here.
+    return load_runner(
+        dtype=dtype, attention_backend=backend, max_total_tokens=512, gguf_q4_max_batch=0
     )
 
 

@@ -15,6 +15,7 @@ from berth_runtime.model_executor.model_runner import ModelRunner
 from berth_runtime.models.gguf_q4 import can_run_int4, matching_groups, read_q4_groups
 from berth_runtime.models.loader import Q4_GROUPS_FILE
 from tests.helpers import BUILTIN_GGUF, embedded_gguf_dir, embedded_model_dir, embedded_tokenizer
+from tests.integration.runtime.engine_steps import load_runner
 
 MAX_BATCH = 4
 STEPS = 8
@@ -54,13 +55,10 @@ def test_a_wrong_layout_is_dropped_not_served(reference):
 
 @pytest.fixture(scope="module")
 def runners() -> dict[str, ModelRunner]:
-    path = embedded_model_dir()
     return {
-        "fp32": ModelRunner(path, dtype="float32", max_total_tokens=1024),
-        "bf16": ModelRunner(path, dtype="bfloat16", max_total_tokens=1024),
-        "q4": ModelRunner(
-            path, dtype="bfloat16", max_total_tokens=1024, gguf_q4_max_batch=MAX_BATCH
-        ),
+        "fp32": load_runner(dtype="float32", max_total_tokens=1024, gguf_q4_max_batch=0),
+        "bf16": load_runner(dtype="bfloat16", max_total_tokens=1024, gguf_q4_max_batch=0),
+        "q4": load_runner(dtype="bfloat16", max_total_tokens=1024, gguf_q4_max_batch=MAX_BATCH),
     }
 
 

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -16,6 +15,7 @@ import httpx
 import psutil
 import pytest
 
+from berth_common.cli import berth_command
 from tests.helpers import (
     BUILTIN_GGUF,
     RunningServer,
@@ -29,7 +29,7 @@ MODEL = "smollm2-135m-instruct"
 
 def serve_fails(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "berth_runtime.cli", "serve", *args],
+        berth_command("serve", *args),
         capture_output=True,
         text=True,
         timeout=60,

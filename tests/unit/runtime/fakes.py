@@ -15,18 +15,14 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from berth_runtime.entrypoints.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    validation_error,
-)
+from berth_common.errors import RequestError
+from berth_runtime.entrypoints.http_server import add_api_error_handlers
+from berth_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from berth_runtime.entrypoints.serving_chat import OpenAIServingChat
 from berth_runtime.entrypoints.serving_completions import OpenAIServingCompletion
-from berth_runtime.errors import RequestError
 from berth_runtime.io_struct import GenerateReqInput
 
 MODEL = "smollm2"
@@ -148,15 +144,7 @@ def build_app(tm: FakeTokenizerManager) -> FastAPI:
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
         return await completion.handle_request(request, raw_request)
 
-    @app.exception_handler(RequestError)
-    async def on_request_error(_: Request, exc: RequestError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status_code)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        err = validation_error(exc.errors())
-        return JSONResponse(err.body(), status_code=err.status_code)
-
+    add_api_error_handlers(app)
     return app
 
 

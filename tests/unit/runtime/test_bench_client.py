@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 
 import pytest
 from aiohttp import web
 
+from berth_common.http import SSE_DONE, sse_event
 from berth_runtime.bench.client import BenchConfig, run_benchmark_async
 from berth_runtime.bench.workload import BenchRequest
 
@@ -75,12 +75,12 @@ class FakeServer:
         finally:
             self.in_flight -= 1
         # The client stops reading at [DONE]: count the request done before sending it.
-        await response.write(b"data: [DONE]\n\n")
+        await response.write(SSE_DONE.encode())
         return response
 
 
 def _sse(obj: dict) -> bytes:
-    return f"data: {json.dumps(obj)}\n\n".encode()
+    return sse_event(obj).encode()
 
 
 def _requests(n: int, words: int = 5, out: int = 4) -> list[BenchRequest]:

@@ -75,10 +75,10 @@ def run_to_idle(s: Scheduler, max_steps: int = 1000) -> dict[str, list]:
 
 def assert_all_memory_free(s: Scheduler) -> None:
     """No request holds KV: every slot is free or an unlocked (evictable) cache entry."""
-    cached = s.tree.evictable_size if s.tree is not None else 0
-    assert s.kv_pool.available_size() + cached == s.kv_pool.size
-    assert s.tree is None or s.tree.protected_size == 0
-    assert s.req_to_token.available_size() == s.req_to_token.max_reqs
+    kv = s.kv
+    assert kv.available() + kv.evictable_size() == kv.capacity
+    assert kv.tree is None or kv.tree.protected_size == 0
+    assert kv.req_to_token.available_size() == kv.req_to_token.max_reqs
 
 
 def test_single_request_counts_and_stops_at_length():
@@ -121,10 +121,10 @@ def test_requests_join_and_leave_between_decode_steps():
     s.step()  # decode
     s.handle_generate(req("short", [10], max_new_tokens=2))
     s.step()  # prefill of "short" joins
-    assert [r.rid for r in s.running] == ["long", "short"]
+    assert [r.rid for r in s.policy.running] == ["long", "short"]
     s.step()  # one decode step for both
     assert runner.batches[-1] == (True, 2, 2)
-    assert [r.rid for r in s.running] == ["long"]  # "short" left after its 2 tokens
+    assert [r.rid for r in s.policy.running] == ["long"]  # "short" left after its 2 tokens
     out = run_to_idle(s)
     assert out["long"][0][-1] == 9  # prompt [1] + 8 tokens counting up
     assert_all_memory_free(s)
@@ -163,14 +163,14 @@ def test_retraction_when_kv_runs_out_keeps_every_token():
     for rid, start in (("a", 1), ("b", 3), ("c", 5)):
         s.handle_generate(req(rid, [start] * 8, max_new_tokens=20))
     retracted = []
-    original = s._release
+    original = s.kv.release
 
     def spy(r):
         if not r.finished and r.kv_len:
             retracted.append(r.rid)
         original(r)
 
-    s._release = spy
+    s.kv.release = spy
     out = run_to_idle(s)
     assert retracted, "the pool was too small: something must have been retracted"
     assert {rid: v[0] for rid, v in out.items()} == alone
@@ -257,7 +257,7 @@ def test_disabled_radix_cache_computes_everything():
     for rid in ("a", "b"):
         s.handle_generate(req(rid, list(range(1, 25)), max_new_tokens=2))
         run_to_idle(s)
-    assert s.tree is None
+    assert s.kv.tree is None
     assert [b[2] for b in runner.batches if not b[0]] == [24, 24]
     assert_all_memory_free(s)
 
@@ -268,7 +268,7 @@ def test_cache_is_evicted_when_new_work_needs_the_memory():
         s.handle_generate(req(f"r{i}", [i + 1] * 20, max_new_tokens=3))
         out = run_to_idle(s)
         assert out[f"r{i}"][1].type == "length"
-    assert s.tree is not None and s.tree.total_size <= 64
+    assert s.kv.tree is not None and s.kv.tree.total_size <= 64
     assert_all_memory_free(s)
 
 
@@ -278,9 +278,9 @@ def test_flush_cache_only_when_idle_and_then_empty():
     s.step()
     assert not s.handle_flush_cache(None).success
     run_to_idle(s)
-    assert s.tree is not None and s.tree.total_size > 0
+    assert s.kv.tree is not None and s.kv.tree.total_size > 0
     assert s.handle_flush_cache(None).success
-    assert s.tree.total_size == 0 and s.kv_pool.available_size() == s.kv_pool.size
+    assert s.kv.tree.total_size == 0 and s.kv.available() == s.kv.capacity
 
 
 def test_lpm_policy_prefers_the_longest_cached_prefix():
@@ -338,7 +338,7 @@ def fill_batch_then_arrive(policy: str, high_priority: int, **kwargs):
     s.handle_generate(preq("new", [3], 0, max_new_tokens=12))
     for _ in range(4):
         step()
-    assert [r.rid for r in s.running] == ["old", "new"]
+    assert [r.rid for r in s.policy.running] == ["old", "new"]
     s.handle_generate(preq("high", [20], high_priority, max_new_tokens=4))
     return s, outputs, step
 
@@ -348,8 +348,8 @@ def test_priority_preempts_the_lowest_newest_running_request_and_loses_nothing()
     kept = len(outputs["new"][0])
     out = step()
     assert out is not None and out.rids == ["high"]  # scheduled at once
-    assert [r.rid for r in s.running] == ["old", "high"]
-    victim = next(r for r in s.waiting if r.rid == "new")
+    assert [r.rid for r in s.policy.running] == ["old", "high"]
+    victim = next(r for r in s.policy.waiting if r.rid == "new")
     assert len(victim.output_ids) == kept > 0 and victim.req_row is None
     while not s.is_idle:
         step()
@@ -368,7 +368,7 @@ def test_priority_preempts_when_kv_memory_is_short():
     s.handle_generate(preq("high", [2] * 20, 1, max_new_tokens=8))
     out = s.step()
     assert out is not None and out.rids == ["high"]  # 48 slots do not hold both: "low" yields
-    assert [r.rid for r in s.waiting] == ["low"]
+    assert [r.rid for r in s.policy.waiting] == ["low"]
     outputs = run_to_idle(s)
     low = [t for o in first if o is not None for t in o.new_token_ids[0]] + outputs["low"][0]
     assert outputs["low"][1].type == "length"
@@ -380,8 +380,8 @@ def test_equal_priority_never_preempts():
     s, outputs, step = fill_batch_then_arrive("priority", 0)
     out = step()
     assert out is not None and "high" not in out.rids
-    assert [r.rid for r in s.running] == ["old", "new"]
-    assert [r.rid for r in s.waiting] == ["high"]
+    assert [r.rid for r in s.policy.running] == ["old", "new"]
+    assert [r.rid for r in s.policy.waiting] == ["high"]
 
 
 def test_fcfs_and_lpm_never_preempt():
@@ -389,7 +389,7 @@ def test_fcfs_and_lpm_never_preempt():
         s, outputs, step = fill_batch_then_arrive(policy, 5)
         out = step()
         assert out is not None and "high" not in out.rids, policy
-        assert [r.rid for r in s.running] == ["old", "new"], policy
+        assert [r.rid for r in s.policy.running] == ["old", "new"], policy
 
 
 def test_decoded_kv_is_cached_only_when_decode_matches_prefill():
@@ -402,7 +402,7 @@ def test_decoded_kv_is_cached_only_when_decode_matches_prefill():
         s = make_scheduler(runner)
         s.handle_generate(req("turn1", prompt, max_new_tokens=4))
         assert run_to_idle(s)["turn1"][0] == [11, 12, 13, 14]
-        assert s.tree is not None and s.tree.total_size == cached_after
+        assert s.kv.tree is not None and s.kv.tree.total_size == cached_after
         assert_all_memory_free(s)
         # The next turn reuses exactly what was cached (less its last token, which it reruns).
         s.handle_generate(req("turn2", [*prompt, 11, 12, 13, 14, 20, 21], max_new_tokens=1))
@@ -423,5 +423,5 @@ def test_decode_after_a_decode_that_did_not_match_stays_uncached():
     s.step()  # decode on other weights: token 4's K/V are not exact
     runner.exact_decode = True
     run_to_idle(s)
-    assert s.tree is not None and s.tree.total_size == 3
+    assert s.kv.tree is not None and s.kv.tree.total_size == 3
     assert_all_memory_free(s)

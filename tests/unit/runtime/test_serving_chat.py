@@ -16,9 +16,9 @@ from fastapi import Request
 from openai import AsyncOpenAI
 from transformers import PreTrainedTokenizerBase
 
+from berth_common.errors import RequestError
 from berth_runtime.entrypoints.protocol import ChatCompletionRequest
 from berth_runtime.entrypoints.serving_chat import OpenAIServingChat
-from berth_runtime.errors import RequestError
 from berth_runtime.sampling_params import SamplingParams
 from tests.unit.runtime.fakes import (
     MODEL,

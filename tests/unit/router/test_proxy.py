@@ -12,10 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
-from berth_runtime.router.args import RouterArgs
-from berth_runtime.router.policies import rendezvous_order
-from berth_runtime.router.proxy import Router
-from berth_runtime.router.server import create_app
+from berth_router.args import RouterArgs
+from berth_router.policies import rendezvous_order
+from berth_router.proxy import Router
+from berth_router.server import create_app
 from tests.helpers import metric
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from berth_runtime.errors import error_body
+from berth_common.errors import error_body
 
 
 class ApiKeyMiddleware:

@@ -18,26 +18,25 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from berth_runtime import __version__
-from berth_runtime.errors import RequestError
-from berth_runtime.router.args import RouterArgs
-from berth_runtime.router.discovery import DiscoveryError, EndpointSliceDiscovery, KubeConfig
-from berth_runtime.router.metrics import RouterMetrics
-from berth_runtime.router.policies import make_policy
-from berth_runtime.router.proxy import ProxyResponse, Router
-from berth_runtime.router.signals import SignalError, read_signals
-from berth_runtime.router.workers import WorkerRegistry
-from berth_runtime.utils.auth import ApiKeyMiddleware
+from berth_common.auth import ApiKeyMiddleware
+from berth_common.errors import RequestError
+from berth_common.http import add_error_handlers, error_response, uvicorn_config
+from berth_common.logging import configure_logging
+from berth_common.process import set_process_title
+from berth_router import __version__
+from berth_router.args import RouterArgs
+from berth_router.discovery import DiscoveryError, EndpointSliceDiscovery, KubeConfig
+from berth_router.metrics import RouterMetrics
+from berth_router.policies import make_policy
+from berth_router.proxy import ProxyResponse, Router
+from berth_router.signals import SignalError, read_signals
+from berth_router.workers import WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
 # Probes and scrapers need no API key.
 OPEN_PATHS = frozenset({"/health", "/liveness", "/readiness", "/metrics"})
 FANOUT_TIMEOUT_S = 10.0
-
-
-def _error(err: RequestError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers or None)
 
 
 def create_app(args: RouterArgs, kube: KubeConfig | None = None) -> Any:
@@ -98,19 +97,12 @@ def create_app(args: RouterArgs, kube: KubeConfig | None = None) -> Any:
     app = FastAPI(title="Berth router", version=__version__, lifespan=lifespan)
     app.state.router = router
 
-    @app.exception_handler(RequestError)
-    async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
-        return _error(exc)
+    add_error_handlers(app, "router error")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = "no such route" if exc.status_code == 404 else str(exc.detail)
-        return _error(RequestError(message, exc.status_code))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("Router error")
-        return _error(RequestError(f"router error: {type(exc).__name__}: {exc}", 500))
+        return error_response(RequestError(message, exc.status_code))
 
     # --- the router's own endpoints -------------------------------------------------------------
 
@@ -153,7 +145,7 @@ def create_app(args: RouterArgs, kube: KubeConfig | None = None) -> Any:
             signals = read_signals(request.url.path, body, request.headers)
         except SignalError as e:
             metrics.requests.labels("none", endpoint, "400").inc()
-            return _error(RequestError(e.message, 400, param=e.param))
+            return error_response(RequestError(e.message, 400, param=e.param))
         return ProxyResponse(
             router,
             method=request.method,
@@ -282,22 +274,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_router(args: RouterArgs, kube: KubeConfig | None = None) -> int:
-    from berth_runtime.utils.logging import configure_logging
-    from berth_runtime.utils.process import set_process_title
-
     configure_logging(args.log_level, "router")
     set_process_title("router")
     app = create_app(args, kube)
-    config = uvicorn.Config(
+    config = uvicorn_config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        log_config=None,
-        access_log=False,
-        lifespan="on",
         # SIGTERM: stop accepting, let streams in flight finish for this long.
-        timeout_graceful_shutdown=int(args.graceful_shutdown_timeout),
+        graceful_shutdown_s=int(args.graceful_shutdown_timeout),
+        access_log=False,
     )
     server = uvicorn.Server(config)
     server.run()

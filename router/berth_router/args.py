@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from berth_runtime.utils.dataclass_cli import DataclassCli
+from berth_common.dataclass_cli import DataclassCli
 
 DEFAULT_ROUTER_PORT = 30080
 DEFAULT_RANK_LABEL = "serving.berth.dev/dp-rank"

@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
-from berth_runtime.errors import RequestError
-from berth_runtime.router import discovery as discovery_module
-from berth_runtime.router.args import RouterArgs
-from berth_runtime.router.discovery import (
+from berth_common.errors import RequestError
+from berth_router import discovery as discovery_module
+from berth_router.args import RouterArgs
+from berth_router.discovery import (
     DiscoveryError,
     EndpointSliceDiscovery,
     KubeConfig,
@@ -24,11 +24,11 @@ from berth_runtime.router.discovery import (
     parse_selector,
     selector_matches,
 )
-from berth_runtime.router.metrics import RouterMetrics
-from berth_runtime.router.policies import PREFIX_HIT, CacheAware, RoundRobin, rendezvous_order
-from berth_runtime.router.proxy import PINNED, ROUTING_KEY, Router
-from berth_runtime.router.signals import DP_RANK_HEADER, RouteSignals
-from berth_runtime.router.workers import (
+from berth_router.metrics import RouterMetrics
+from berth_router.policies import PREFIX_HIT, CacheAware, RoundRobin, rendezvous_order
+from berth_router.proxy import PINNED, ROUTING_KEY, Router
+from berth_router.signals import DP_RANK_HEADER, RouteSignals
+from berth_router.workers import (
     Endpoint,
     HealthState,
     LoadSnapshot,

@@ -20,12 +20,13 @@ import anyio
 import httpx
 from starlette.responses import Response
 
-from berth_runtime.errors import RequestError, error_body
-from berth_runtime.router.args import RouterArgs
-from berth_runtime.router.metrics import NO_RANK, RouterMetrics
-from berth_runtime.router.policies import Candidate, Policy, rendezvous_order
-from berth_runtime.router.signals import DP_RANK_HEADER, RouteSignals
-from berth_runtime.router.workers import Worker, WorkerRegistry
+from berth_common.errors import RequestError, error_body
+from berth_common.http import SSE_DONE, sse_event
+from berth_router.args import RouterArgs
+from berth_router.metrics import NO_RANK, RouterMetrics
+from berth_router.policies import Candidate, Policy, rendezvous_order
+from berth_router.signals import DP_RANK_HEADER, RouteSignals
+from berth_router.workers import Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -339,7 +340,7 @@ class ProxyResponse(Response):
                         "InternalServerError",
                         502,
                     )
-                    tail = b"data: " + json.dumps({"error": err}).encode() + b"\n\ndata: [DONE]\n\n"
+                    tail = (sse_event({"error": err}) + SSE_DONE).encode()
                     await send({"type": "http.response.body", "body": tail, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             self._finished = True

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from berth_runtime.router.workers import Endpoint
+from berth_router.workers import Endpoint
 
 logger = logging.getLogger(__name__)
 

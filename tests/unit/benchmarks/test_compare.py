@@ -4,14 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from berth_runtime.bench.compare import (
-    CompareConfig,
-    failed_berth_runs,
-    prefix_ttfts,
-    render,
-    summarize_targets,
-    target_rows,
-)
+from benchmarks.compare import CompareConfig, failed_berth_runs
+from benchmarks.report import render, summarize_targets, target_rows
+from benchmarks.systems import prefix_ttfts
 from berth_runtime.bench.metrics import RequestResult, summarize
 
 

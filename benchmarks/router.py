@@ -1,8 +1,8 @@
 """Benchmark `berth router`: its added latency against calling a rank directly, and the prefix-cache
 hit rate of `cache_aware` against `round_robin` on a shared-prefix workload, side by side.
 
-    python -m berth_runtime.router.bench                 # starts 3 ranks and the routers itself
-    python -m berth_runtime.router.bench --worker-urls http://h:30000 http://h:30001 ...
+    python -m benchmarks.router                 # starts 3 ranks and the routers itself
+    python -m benchmarks.router --worker-urls http://h:30000 http://h:30001 ...
 
 Both parts run in one process against the same ranks. Latency is measured with interleaved
 requests (direct, routed, direct, ...) on keep-alive connections, so drift hits both sides alike.
@@ -16,11 +16,8 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from berth_common.server_process import ServerProcess, berth_server
+from berth_runtime.bench.metrics import percentile
 
 WORDS = [
     "anchor",
@@ -62,82 +62,26 @@ WORDS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Process:
-    """A `berth ...` subprocess logging to a temporary file."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        self.name = name
-        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in stop())
-            prefix=f"berth-bench-{name}-", suffix=".log", delete=False
-        )
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "berth_runtime.cli", *argv],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-        )
-
-    def wait_http(self, url: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                tail = Path(self.log.name).read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{tail}")
-            try:
-                if httpx.get(url, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.name} not ready after {timeout}s (log: {self.log.name})")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        Path(self.log.name).unlink(missing_ok=True)
-
-
-def start_ranks(args: argparse.Namespace) -> tuple[list[str], list[Process]]:
+def start_ranks(args: argparse.Namespace) -> tuple[list[str], list[ServerProcess]]:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     # Ranks share the machine: one OpenMP pool each, sized to its share of the cores.
     threads = str(max(1, (cpus or 1) // args.ranks))
-    procs, urls = [], []
+    procs = []
     for rank in range(args.ranks):
-        port = free_port()
-        argv = ["serve", "--port", str(port), "--dp-rank", str(rank), "--model", args.model]
+        argv = ["--dp-rank", str(rank), "--model", args.model]
         argv += ["--max-total-tokens", str(args.max_total_tokens), "--log-level", "warning"]
-        procs.append(Process(f"rank{rank}", argv, {"OMP_NUM_THREADS": threads}))
-        urls.append(f"http://127.0.0.1:{port}")
-    for proc, url in zip(procs, urls):
-        proc.wait_http(f"{url}/health", timeout=600)
-    return urls, procs
+        env = {"OMP_NUM_THREADS": threads}
+        procs.append(berth_server("serve", *argv, name=f"berth-bench-rank{rank}", env=env))
+    for proc in procs:
+        proc.wait_ready(timeout=600)
+    return [proc.base_url for proc in procs], procs
 
 
-def start_router(policy: str, urls: list[str]) -> tuple[str, Process]:
-    port = free_port()
-    argv = ["router", "--port", str(port), "--policy", policy, "--log-level", "warning"]
-    proc = Process(f"router-{policy}", [*argv, "--worker-urls", *urls])
-    url = f"http://127.0.0.1:{port}"
-    proc.wait_http(f"{url}/readiness", timeout=60)
-    return url, proc
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
+def start_router(policy: str, urls: list[str]) -> tuple[str, ServerProcess]:
+    argv = ["--policy", policy, "--log-level", "warning", "--worker-urls", *urls]
+    proc = berth_server("router", *argv, name=f"berth-bench-router-{policy}")
+    proc.wait_ready(timeout=60)
+    return proc.base_url, proc
 
 
 # --- added latency -----------------------------------------------------------------------------
@@ -241,7 +185,7 @@ def run_hit_rate(router_url: str, model: str, jobs: list[Job], concurrency: int)
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m berth_runtime.router.bench",
+        prog="python -m benchmarks.router",
         description="Router added latency vs a direct rank, and cache_aware vs round_robin "
         "prefix-cache hit rate on a shared-prefix workload.",
     )
@@ -269,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    procs: list[Process] = []
+    procs: list[ServerProcess] = []
     try:
         if args.worker_urls:
             urls = [u.rstrip("/") for u in args.worker_urls]

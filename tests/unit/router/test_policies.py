@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from berth_runtime.router.policies import (
+from berth_router.policies import (
     LEAST_LOAD,
     LOAD_FALLBACK_IMBALANCED,
     LOAD_FALLBACK_MISS,

@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 import httpx
 
-from berth_runtime.router.args import RouterArgs
-from berth_runtime.router.metrics import RouterMetrics
+from berth_router.args import RouterArgs
+from berth_router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
-"""The router benchmark's workload and statistics (the run itself needs real ranks)."""
+"""The router benchmark's workload and defaults (the run itself needs real ranks)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-from berth_runtime.router.bench import build_parser, percentile, shared_prefix_workload
+from benchmarks.router import build_parser, shared_prefix_workload
 
 
 def test_workload_is_groups_of_prompts_sharing_a_long_prefix_and_nothing_else() -> None:
@@ -25,14 +25,6 @@ def test_workload_is_groups_of_prompts_sharing_a_long_prefix_and_nothing_else() 
     assert len(set(prefixes.values())) == 4
     assert [j.group for j in jobs] != sorted(j.group for j in jobs)  # shuffled
     assert jobs == shared_prefix_workload(groups=4, per_group=5, prefix_words=50, seed=1)
-
-
-def test_percentile_is_nearest_rank() -> None:
-    values = [float(v) for v in range(1, 101)]
-    assert percentile(values, 50) in (50.0, 51.0)
-    assert percentile(values, 99) == 99.0
-    assert percentile(values, 100) == 100.0
-    assert percentile([3.0], 99) == 3.0
 
 
 def test_defaults_compare_cache_aware_with_round_robin() -> None:

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from berth_runtime.router.args import RouterArgs
-from berth_runtime.router.server import build_parser
-from berth_runtime.router.signals import (
+from berth_router.args import RouterArgs
+from berth_router.server import build_parser
+from berth_router.signals import (
     DP_RANK_HEADER,
     ROUTING_KEY_HEADER,
     RouteSignals,
@@ -165,7 +165,7 @@ def test_api_key_defaults_to_the_environment(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_berth_router_needs_workers_or_discovery(capsys: pytest.CaptureFixture[str]) -> None:
-    from berth_runtime.cli import main
+    from berth_common.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["router"])

@@ -1,1 +1,0 @@
-"""The data-parallel router that spreads requests over ranks."""

@@ -1,0 +1,52 @@
+"""The HTTP helpers both servers use: OpenAI error bodies and server-sent events."""
+
+from __future__ import annotations
+
+import httpx
+from fastapi import FastAPI
+from pydantic import BaseModel
+
+from berth_common.errors import RequestError
+from berth_common.http import SSE_DONE, add_error_handlers, sse_event
+
+
+class Chunk(BaseModel):
+    text: str
+    usage: int | None = None
+
+
+def test_sse_event_from_a_model_or_a_dict_keeps_utf8() -> None:
+    assert sse_event(Chunk(text="é")) == 'data: {"text":"é","usage":null}\n\n'
+    assert sse_event(Chunk(text="a"), exclude={"usage"}) == 'data: {"text":"a"}\n\n'
+    assert sse_event({"error": {"message": "ß"}}) == 'data: {"error": {"message": "ß"}}\n\n'
+    assert SSE_DONE == "data: [DONE]\n\n"
+
+
+async def test_errors_become_openai_bodies() -> None:
+    app = FastAPI()
+    add_error_handlers(app, "test error")
+
+    @app.get("/refused")
+    async def refused() -> None:
+        raise RequestError("full", 503, headers={"Retry-After": "1"})
+
+    @app.get("/broken")
+    async def broken() -> None:
+        raise KeyError("x")
+
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        refused_response = await client.get("/refused")
+        broken_response = await client.get("/broken")
+    assert refused_response.status_code == 503
+    assert refused_response.headers["retry-after"] == "1"
+    assert refused_response.json() == {
+        "object": "error",
+        "message": "full",
+        "type": "ServiceUnavailableError",
+        "param": None,
+        "code": 503,
+    }
+    assert broken_response.status_code == 500
+    assert broken_response.json()["message"] == "test error: KeyError: 'x'"
+    assert broken_response.json()["type"] == "InternalServerError"
