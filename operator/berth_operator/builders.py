@@ -52,7 +52,7 @@ def rank_pod_name(name: str, rank: int) -> str:
 
 
 def router_name(name: str) -> str:
-    """The router's Deployment, PodDisruptionBudget, ServiceAccount, Role and RoleBinding."""
+    """The router's Deployment, PodDisruptionBudget, ServiceAccount and RoleBinding."""
     return f"{name}-router"
 
 
@@ -71,9 +71,10 @@ def owned_labels(name: str) -> dict[str, str]:
 
 
 def labels(name: str, role: str | None = None) -> dict[str, str]:
+    """Every child's labels. No `app.kubernetes.io/instance`: GitOps tools read that one as
+    ownership (Argo CD's default tracking label) and would prune the children."""
     result = {
         c.LABEL_NAME: c.APP_NAME,
-        c.LABEL_INSTANCE: name,
         c.LABEL_PART_OF: c.APP_NAME,
         **owned_labels(name),
     }
@@ -148,7 +149,6 @@ def build_children(isvc: InferenceService, plan: RankPlan | None = None) -> list
     if spec.has_router:
         children += [
             build_router_service_account(isvc),
-            build_router_role(isvc),
             build_router_role_binding(isvc),
             build_router_deployment(isvc),
             build_router_pdb(isvc),
@@ -611,28 +611,20 @@ def build_router_service_account(isvc: InferenceService) -> Manifest:
     }
 
 
-def build_router_role(isvc: InferenceService) -> Manifest:
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": _metadata(isvc, router_name(isvc.name), c.ROLE_ROUTER),
-        "rules": [
-            {
-                "apiGroups": ["discovery.k8s.io"],
-                "resources": ["endpointslices"],
-                "verbs": ["list", "watch"],
-            }
-        ],
-    }
-
-
 def build_router_role_binding(isvc: InferenceService) -> Manifest:
+    """Grants the router's account the shipped `berth-router` ClusterRole (list and watch
+    EndpointSlices) in this namespace only. The operator may bind that role and no other, so it
+    needs no EndpointSlice access itself."""
     name = router_name(isvc.name)
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "RoleBinding",
         "metadata": _metadata(isvc, name, c.ROLE_ROUTER),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": c.ROUTER_CLUSTER_ROLE,
+        },
         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": isvc.namespace}],
     }
 
@@ -649,7 +641,7 @@ def build_router_deployment(isvc: InferenceService) -> Manifest:
             }
         )
     pod: dict[str, Any] = {
-        # The token lets the router list and watch the rank EndpointSlices (its Role).
+        # The token lets the router list and watch the rank EndpointSlices (its RoleBinding).
         "serviceAccountName": router_name(isvc.name),
         "automountServiceAccountToken": True,
         "enableServiceLinks": False,

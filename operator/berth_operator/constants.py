@@ -16,15 +16,17 @@ SHORT_NAMES: Final = ("bis",)
 
 # Server-side apply: one field manager for every child the operator owns.
 FIELD_MANAGER: Final = "berth-operator"
-# kopf's own bookkeeping (diff base, handler progress) lives in annotations with this prefix.
-ANNOTATION_PREFIX: Final = GROUP
+# The ClusterRole (shipped in manifests/rbac/) that each router's RoleBinding grants in its own
+# namespace: list and watch EndpointSlices. The operator may bind this one role and no other.
+ROUTER_CLUSTER_ROLE: Final = "berth-router"
 
 DEFAULT_RUNTIME_IMAGE: Final = f"ghcr.io/berth-dev/berth-runtime:{__version__}"
 OPERATOR_IMAGE: Final = f"ghcr.io/berth-dev/berth-operator:{__version__}"
 
 # Labels on every child. The selector labels never change for the life of an InferenceService.
+# No `app.kubernetes.io/instance`: Argo CD's default tracking label, which it would read as
+# "belongs to the Application of that name" and prune.
 LABEL_NAME: Final = "app.kubernetes.io/name"
-LABEL_INSTANCE: Final = "app.kubernetes.io/instance"
 LABEL_COMPONENT: Final = "app.kubernetes.io/component"
 LABEL_PART_OF: Final = "app.kubernetes.io/part-of"
 LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
@@ -64,6 +66,9 @@ RUN_AS_UID: Final = 10001
 
 # How often each InferenceService's ranks are scraped (`berth operator run --observe-interval`).
 OBSERVE_INTERVAL_SECONDS: Final = 5.0
+# Children are re-applied on every change the watches report (drift repair); this full resync
+# is the safety net for a change missed while a watch reconnected.
+RESYNC_SECONDS: Final = 600.0
 
 ENV_API_KEY: Final = "BERTH_API_KEY"
 ENV_DP_RANK: Final = "BERTH_DP_RANK"

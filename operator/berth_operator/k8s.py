@@ -1,7 +1,9 @@
-"""The only module that calls the API server: server-side apply, reads, prune and status patches.
+"""The only module that calls the API server: server-side apply, reads, deletes, status patches.
 
 It uses the official `kubernetes` client's transport (authentication, TLS, token refresh) with raw
 paths, so one code path serves every kind. The client is synchronous; each call runs in a thread.
+Nothing here retries or second-guesses an answer: an error comes back as `ApiError`, classified
+by what the caller can do about it (`children` and `worker` decide).
 """
 
 from __future__ import annotations
@@ -10,13 +12,14 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import kopf
 import kubernetes.client
 import kubernetes.config
+import urllib3
 from kubernetes.client.exceptions import ApiException
 
 from berth_operator import constants as c
@@ -27,6 +30,10 @@ APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
 MERGE_CONTENT_TYPE = "application/merge-patch+json"
 # (connect, read) seconds: a stuck API call must not hold a reconcile forever.
 REQUEST_TIMEOUT = (5.0, 30.0)
+# Server-side apply answers 500 when it cannot even type the applied object: an unknown field in
+# a pass-through part of the spec (affinity, valueFrom, ...) or a duplicate key in a keyed list.
+# The same object always fails the same way, so it is the object's fault, not the server's.
+UNTYPABLE_PREFIX = "failed to create typed patch object"
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,11 @@ class ResourceType:
     @property
     def api_version(self) -> str:
         return f"{self.group}/{self.version}" if self.group else self.version
+
+    @property
+    def resource(self) -> str:
+        """The name RBAC and kubectl use: `deployments.apps`, `services`."""
+        return f"{self.plural}.{self.group}" if self.group else self.plural
 
     def path(self, namespace: str | None, name: str | None = None, sub: str | None = None) -> str:
         base = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
@@ -60,12 +72,10 @@ DEPLOYMENT = ResourceType("apps", "v1", "deployments", "Deployment")
 PDB = ResourceType("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
 INGRESS = ResourceType("networking.k8s.io", "v1", "ingresses", "Ingress")
 SERVICE_ACCOUNT = ResourceType("", "v1", "serviceaccounts", "ServiceAccount")
-ROLE = ResourceType("rbac.authorization.k8s.io", "v1", "roles", "Role")
 ROLE_BINDING = ResourceType("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding")
 INFERENCESERVICE = ResourceType(c.GROUP, c.VERSION, c.PLURAL, c.KIND)
 
-# The kinds the builders may emit. The rank StatefulSet always exists (one per InferenceService,
-# named after it), so `prune` only looks for leftovers of the kinds that come and go.
+# The kinds the builders may emit; the operator watches each of them (drift repair, status).
 CHILD_TYPES = (
     SERVICE,
     STATEFULSET,
@@ -73,11 +83,10 @@ CHILD_TYPES = (
     PDB,
     INGRESS,
     SERVICE_ACCOUNT,
-    ROLE,
     ROLE_BINDING,
 )
-PRUNED_TYPES = (SERVICE, DEPLOYMENT, PDB, INGRESS, SERVICE_ACCOUNT, ROLE, ROLE_BINDING)
 _BY_KIND = {(t.api_version, t.kind): t for t in (*CHILD_TYPES, POD, INFERENCESERVICE)}
+KIND_TYPES = {t.kind: t for t in CHILD_TYPES}
 
 
 def resource_type(obj: Mapping[str, Any]) -> ResourceType:
@@ -88,18 +97,65 @@ def resource_type(obj: Mapping[str, Any]) -> ResourceType:
 
 
 class ApiError(Exception):
-    """A failed API call, with the HTTP status and the API server's own message."""
+    """A failed API call, with the HTTP status and the API server's own message and causes.
 
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    `status` 0 is a call that got no answer (connection refused, timed out, reset).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        reason: str,
+        message: str,
+        causes: list[dict[str, Any]] | None = None,
+    ) -> None:
         self.status = status
         self.reason = reason
         self.message = message
+        self.causes = causes or []
         super().__init__(f"{status} {reason}: {message}")
 
     @property
     def invalid(self) -> bool:
-        """The API server refused the object itself (422): retrying the same object cannot help."""
-        return self.status == 422
+        """The API server refused the object itself: sending it again cannot help."""
+        return self.status in (400, 422) or (
+            self.status == 500 and self.message.startswith(UNTYPABLE_PREFIX)
+        )
+
+    @property
+    def field_conflict(self) -> bool:
+        """Server-side apply: another field manager owns a field this apply sets (409)."""
+        return self.status == 409 and self.reason == "Conflict" and bool(self.conflicts)
+
+    @property
+    def conflicts(self) -> list[tuple[str, str]]:
+        """(field, "conflict with <manager> ...") for each field another manager owns."""
+        return [
+            (cause.get("field", ""), cause.get("message", ""))
+            for cause in self.causes
+            if cause.get("reason") == "FieldManagerConflict"
+        ]
+
+    @property
+    def already_exists(self) -> bool:
+        return self.status == 409 and self.reason == "AlreadyExists"
+
+    @property
+    def forbidden(self) -> bool:
+        """RBAC, a ResourceQuota or an admission webhook said no (403)."""
+        return self.status == 403
+
+    @property
+    def namespace_terminating(self) -> bool:
+        """Nothing new may be created in a namespace that is being deleted (403)."""
+        return self.status == 403 and any(
+            cause.get("reason") == "NamespaceTerminating" for cause in self.causes
+        )
+
+    @property
+    def transient(self) -> bool:
+        """Worth the same call again later: the server (or the way to it) failed, or throttles."""
+        return self.status == 0 or self.status == 429 or (self.status >= 500 and not self.invalid)
 
 
 class Kube:
@@ -160,26 +216,36 @@ class Kube:
 
     # --- calls -----------------------------------------------------------------------------------
 
-    async def apply(self, obj: Mapping[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
-        """Server-side apply `obj` with the operator's field manager, taking over conflicts."""
-        return await asyncio.to_thread(self._apply, obj, dry_run)
+    async def apply(
+        self, obj: Mapping[str, Any], *, force: bool = False, dry_run: bool = False
+    ) -> dict[str, Any]:
+        """Server-side apply `obj` with the operator's field manager (creates it if missing).
 
-    def _apply(self, obj: Mapping[str, Any], dry_run: bool) -> dict[str, Any]:
+        Without `force`, a field another manager owns is a 409 naming the field and the manager.
+        `fieldValidation=Strict`: a field the child's schema does not know is an error, never a
+        warning that nobody reads.
+        """
         rtype = resource_type(obj)
         meta = obj["metadata"]
-        query = [("fieldManager", c.FIELD_MANAGER), ("force", "true")]
+        query = [("fieldManager", c.FIELD_MANAGER), ("fieldValidation", "Strict")]
+        if force:
+            query.append(("force", "true"))
         if dry_run:
             query.append(("dryRun", "All"))
         path = rtype.path(meta.get("namespace"), meta["name"])
-        try:
-            return self._call("PATCH", path, query, obj, APPLY_CONTENT_TYPE)
-        except ApiError as e:
-            if e.status != 404:
-                raise
-        # A real API server creates a missing object on apply. API emulators without server-side
-        # apply (kmock) answer 404 instead: create it, which is what apply would have done.
-        create_query = [q for q in query if q[0] != "force"]
-        return self._call("POST", rtype.path(meta.get("namespace")), create_query, obj)
+        return await asyncio.to_thread(self._call, "PATCH", path, query, obj, APPLY_CONTENT_TYPE)
+
+    async def create_dry_run(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Validate `obj` as if it were new (nothing is stored): a valid object whose name is
+        taken answers 409 AlreadyExists, an invalid one 422."""
+        rtype = resource_type(obj)
+        query = [
+            ("fieldManager", c.FIELD_MANAGER),
+            ("fieldValidation", "Strict"),
+            ("dryRun", "All"),
+        ]
+        path = rtype.path(obj["metadata"].get("namespace"))
+        return await asyncio.to_thread(self._call, "POST", path, query, obj)
 
     async def get(self, rtype: ResourceType, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -189,72 +255,41 @@ class Kube:
                 return None
             raise
 
-    async def list(
-        self, rtype: ResourceType, namespace: str, selector: Mapping[str, str]
-    ) -> list[dict[str, Any]]:
-        """Objects matching `selector` (also checked here, for servers that ignore selectors)."""
-        query = [("labelSelector", ",".join(f"{k}={v}" for k, v in sorted(selector.items())))]
-        result = await asyncio.to_thread(self._call, "GET", rtype.path(namespace), query)
-        items = result.get("items") or []
-        return [
-            item
-            for item in items
-            if all(
-                ((item.get("metadata") or {}).get("labels") or {}).get(k) == v
-                for k, v in selector.items()
-            )
-        ]
-
     async def delete(
-        self, rtype: ResourceType, namespace: str, name: str, *, uid: str | None = None
-    ) -> None:
-        """Delete `name` (gone already is fine); with `uid`, only that very object, not a
-        successor of the same name (a StatefulSet pod recreated meanwhile)."""
-        body = {"preconditions": {"uid": uid}} if uid else None
+        self,
+        rtype: ResourceType,
+        namespace: str,
+        name: str,
+        *,
+        uid: str | None = None,
+        propagation: str = "Background",
+    ) -> bool:
+        """Delete `name`; with `uid`, only that very object, never a successor of the same name.
+        False if it was gone already (or a successor lives)."""
+        body: dict[str, Any] = {"propagationPolicy": propagation}
+        if uid:
+            body["preconditions"] = {"uid": uid}
         try:
-            await asyncio.to_thread(
-                self._call,
-                "DELETE",
-                rtype.path(namespace, name),
-                [("propagationPolicy", "Background")],
-                body,
-            )
+            await asyncio.to_thread(self._call, "DELETE", rtype.path(namespace, name), [], body)
         except ApiError as e:
-            if e.status not in (404, 409):  # 409: the precondition failed, a successor lives
-                raise
+            if e.status in (404, 409):  # 409: the precondition failed, a successor lives
+                return False
+            raise
+        return True
 
-    async def patch_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
-        """Merge-patch the InferenceService's status subresource (never its spec)."""
-        await asyncio.to_thread(
+    async def patch_status(
+        self, namespace: str, name: str, patch: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Merge-patch the InferenceService's status subresource (never its spec); returns the
+        InferenceService as stored afterwards."""
+        return await asyncio.to_thread(
             self._call,
             "PATCH",
             INFERENCESERVICE.path(namespace, name, "status"),
-            [],
+            [("fieldManager", c.FIELD_MANAGER)],
             {"status": dict(patch)},
             MERGE_CONTENT_TYPE,
         )
-
-    async def prune(
-        self,
-        namespace: str,
-        owner_labels: Mapping[str, str],
-        owner_uid: str | None,
-        keep: Iterable[Mapping[str, Any]],
-    ) -> list[tuple[str, str]]:
-        """Delete the owner's children that `keep` no longer contains; return (kind, name)s."""
-        wanted = {(o["kind"], o["metadata"]["name"]) for o in keep}
-        deleted = []
-        for rtype in PRUNED_TYPES:
-            for item in await self.list(rtype, namespace, owner_labels):
-                meta = item.get("metadata") or {}
-                if (rtype.kind, meta.get("name")) in wanted:
-                    continue
-                owners = [ref.get("uid") for ref in meta.get("ownerReferences") or []]
-                if owner_uid is not None and owner_uid not in owners:
-                    continue  # labelled like ours, but not ours: leave it alone
-                await self.delete(rtype, namespace, meta["name"])
-                deleted.append((rtype.kind, meta["name"]))
-        return deleted
 
     def _call(
         self,
@@ -282,6 +317,8 @@ class Kube:
             data = response.read()
         except ApiException as e:
             raise _api_error(e.status or 0, e.reason or "", e.body) from e
+        except urllib3.exceptions.HTTPError as e:  # refused, reset, timed out: no answer at all
+            raise ApiError(0, type(e).__name__, str(e)) from e
         if not 200 <= response.status < 300:
             raise _api_error(response.status, response.reason or "", data)
         return json.loads(data) if data else {}
@@ -289,11 +326,13 @@ class Kube:
 
 def _api_error(status: int, reason: str, body: Any) -> ApiError:
     message = ""
+    causes: list[dict[str, Any]] = []
     if body:
         try:
             payload = json.loads(body)
             message = payload.get("message") or ""
             reason = payload.get("reason") or reason
+            causes = list((payload.get("details") or {}).get("causes") or [])
         except (ValueError, AttributeError):
             message = body.decode(errors="replace") if isinstance(body, bytes) else str(body)
-    return ApiError(status, reason, message[:2000])
+    return ApiError(status, reason, message[:2000], causes)

@@ -1,4 +1,4 @@
-"""Operator start-up: kopf's settings (storage, timeouts, events, watches) and the API client."""
+"""Operator start-up: kopf's settings (events, timeouts, server-side watch filters), the client."""
 
 from __future__ import annotations
 
@@ -10,6 +10,18 @@ import kopf
 
 from berth_operator import constants as c
 from berth_operator.k8s import Kube
+
+# Every kind the operator watches besides InferenceServices: its children and their pods.
+CHILD_RESOURCES = (
+    ("apps", "v1", "statefulsets"),
+    ("apps", "v1", "deployments"),
+    ("", "v1", "services"),
+    ("policy", "v1", "poddisruptionbudgets"),
+    ("networking.k8s.io", "v1", "ingresses"),
+    ("", "v1", "serviceaccounts"),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    ("", "v1", "pods"),
+)
 
 
 @kopf.on.startup()
@@ -23,18 +35,10 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         memo.default_image = c.DEFAULT_RUNTIME_IMAGE
     if getattr(memo, "observe_interval", None) is None:
         memo.observe_interval = c.OBSERVE_INTERVAL_SECONDS
-    memo.services = {}
+    memo.workers = {}
 
 
 def apply_settings(settings: kopf.OperatorSettings) -> None:
-    # kopf's bookkeeping goes into annotations under our own prefix: `.status` holds only what
-    # users read, and the structural schema would prune kopf's fields from it anyway.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
-        prefix=c.ANNOTATION_PREFIX
-    )
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=c.ANNOTATION_PREFIX, key="last-handled-configuration"
-    )
     # Events for what users must act on (invalid specs, failures), not for every log line.
     settings.posting.level = logging.WARNING
     settings.posting.reporting_component = c.MANAGED_BY
@@ -47,10 +51,5 @@ def apply_settings(settings: kopf.OperatorSettings) -> None:
     settings.networking.request_timeout = 60
     # Watch only our own children, filtered by the API server (pods above all: there are many).
     managed = f"{c.LABEL_MANAGED_BY}={c.MANAGED_BY}"
-    for resource in (
-        ("apps", "v1", "statefulsets"),
-        ("apps", "v1", "deployments"),
-        ("networking.k8s.io", "v1", "ingresses"),
-        ("v1", "pods"),
-    ):
-        settings.watching.label_selectors[resource] = managed
+    for group, version, plural in CHILD_RESOURCES:
+        settings.watching.label_selectors[group, version, plural] = managed

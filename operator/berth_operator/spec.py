@@ -1,9 +1,12 @@
 """InferenceService: the typed, defaulted, validated view of a resource; SpecError says what to fix.
 
-The CRD's schema and CEL rules reject most bad input at the API server. This module checks the same
-rules again (kmock, `berth operator render` and old API servers do not validate) plus the rules only
-the operator knows (what the runtime supports, which flags the operator owns), and applies the same
-defaults as the CRD, so that a spec read straight from a file renders exactly like the stored one.
+The CRD's schema, keyed lists and CEL rules reject most bad input at the API server. This module
+checks the same rules again (`berth operator render` reads files no API server has seen, and an
+object stored under an older CRD may break a newer rule) plus the rules only the operator knows
+(what the runtime supports, which flags the operator owns), and applies the same defaults as the
+CRD, so that a spec read straight from a file renders exactly like the stored one. What neither
+can see (a misspelt key inside a pass-through field such as `affinity`) the API server finds when
+the children are applied strictly.
 """
 
 from __future__ import annotations
@@ -65,7 +68,16 @@ MANAGED_FLAGS = (
     "--model-cache-dir",
     "--graceful-shutdown-timeout",
 )
-MANAGED_ENV = (constants.ENV_API_KEY, constants.ENV_DP_RANK)
+# Environment variables the operator sets on the runtime container; `runtime.env` may not repeat
+# them (a container's env is a list keyed by name: a repeat is a duplicate key, not an override).
+MANAGED_ENV = (
+    constants.ENV_API_KEY,
+    constants.ENV_DP_RANK,
+    "HOME",
+    "XDG_CACHE_HOME",
+    "HF_HOME",
+    "HF_HUB_OFFLINE",
+)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -76,6 +88,7 @@ PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 PATH_TYPES = ("Prefix", "Exact", "ImplementationSpecific")
 TOLERATION_OPERATORS = ("Exists", "Equal")
 TOLERATION_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+WHEN_UNSATISFIABLE = ("DoNotSchedule", "ScheduleAnyway")
 
 ModelSource = Literal["builtin", "hf", "pvc", "file"]
 
@@ -411,6 +424,8 @@ def _parse_runtime(f: _Fields, default_image: str) -> RuntimeSpec:
         ref.reject_unknown()
         if secret is None:
             ref.problem("name", "required")
+        elif secret in pull_secrets:
+            ref.problem("name", f"duplicate entry {secret!r}: each Secret once")
         else:
             pull_secrets.append(secret)
     a = f.obj("args")
@@ -438,9 +453,11 @@ def _parse_runtime(f: _Fields, default_image: str) -> RuntimeSpec:
             continue
         managed = _managed_flag(arg)
         if managed:
+            flag = arg.split("=", 1)[0]
+            named = managed if flag == managed else f"{flag} (read as {managed})"
             f.problem(
                 f"extraArgs[{i}]",
-                f"{managed} is set by the operator; use the matching spec field instead "
+                f"{named} is set by the operator; use the matching spec field instead "
                 "(model.uri, model.servedName, apiKeySecretRef, runtime.gracefulShutdownSeconds, "
                 "parallelism.tensor)",
             )
@@ -457,6 +474,8 @@ def _parse_runtime(f: _Fields, default_image: str) -> RuntimeSpec:
             continue
         if var_name in MANAGED_ENV:
             var.problem("name", f"{var_name} is set by the operator")
+        if any(e["name"] == var_name for e in env):
+            var.problem("name", f"duplicate entry {var_name!r}: each variable once")
         if value is not None and value_from is not None:
             var.problem("value", "set either value or valueFrom, not both")
         entry: dict[str, Any] = {"name": var_name}
@@ -588,12 +607,31 @@ def _parse_scheduling(f: _Fields) -> SchedulingSpec:
         }
         t.reject_unknown()
         tolerations.append({k: v for k, v in toleration.items() if v is not None})
-    spread = []
+    spread: list[dict[str, Any]] = []
     for i, item in enumerate(f.items("topologySpreadConstraints")):
-        if isinstance(item, Mapping):
-            spread.append(dict(item))
-        else:
+        if not isinstance(item, Mapping):
             f.problem(f"topologySpreadConstraints[{i}]", "must be an object")
+            continue
+        # The rest passes through as written; the API server checks it (strictly) on apply.
+        t = f.nested(item, f"topologySpreadConstraints[{i}]")
+        keys = (
+            t.text("topologyKey", None, min_length=1, max_length=316),
+            t.enum("whenUnsatisfiable", None, WHEN_UNSATISFIABLE),
+        )
+        max_skew = t.integer("maxSkew", None, minimum=1)
+        for key, value in (("topologyKey", keys[0]), ("whenUnsatisfiable", keys[1])):
+            if value is None and key not in item:
+                t.problem(key, "required")
+        if max_skew is None and "maxSkew" not in item:
+            t.problem("maxSkew", "required")
+        if None not in keys and any(
+            (s.get("topologyKey"), s.get("whenUnsatisfiable")) == keys for s in spread
+        ):
+            t.problem(
+                "topologyKey",
+                f"duplicate entry for {keys[0]!r} and {keys[1]}: each pair once",
+            )
+        spread.append(dict(item))
     parsed = SchedulingSpec(
         node_selector=f.string_map("nodeSelector"),
         tolerations=tuple(tolerations),

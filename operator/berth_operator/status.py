@@ -18,15 +18,22 @@ from berth_operator.spec import InferenceService
 if TYPE_CHECKING:
     from berth_operator.k8s import Kube
 
+# kstatus' conditions (Ready; Reconciling and Stalled, "abnormal-true"), so that kstatus, Flux
+# and `kubectl wait` read the service without knowing it, plus Degraded for what users must fix
+# in running pods.
 READY = "Ready"
-PROGRESSING = "Progressing"
+RECONCILING = "Reconciling"
+STALLED = "Stalled"
 DEGRADED = "Degraded"
-CONDITION_TYPES = (READY, PROGRESSING, DEGRADED)
+CONDITION_TYPES = (READY, RECONCILING, STALLED, DEGRADED)
+# Written by earlier versions of the operator; dropped when the status is next written.
+RETIRED_TYPES = ("Progressing",)
 
-# Reasons that only a reconcile of a newer generation may clear (a resync must not paper over them).
-INVALID_SPEC = "InvalidSpec"
-APPLY_FAILED = "ApplyFailed"
-STICKY_REASONS = (INVALID_SPEC, APPLY_FAILED)
+# Why a generation could not be applied.
+INVALID_SPEC = "InvalidSpec"  # the spec, or a child built from it, is invalid: fix the spec
+FORBIDDEN = "Forbidden"  # RBAC, a quota or an admission webhook refused a child
+NAME_CONFLICT = "NameConflict"  # a child's name is taken by an object this service does not own
+APPLY_FAILED = "ApplyFailed"  # the API server failed or did not answer: retried with backoff
 
 # Container states that will not fix themselves: a crash loop, a bad image, a missing Secret.
 FAILING_WAITING_REASONS = frozenset(
@@ -43,7 +50,6 @@ FAILING_WAITING_REASONS = frozenset(
 )
 MAX_MESSAGE_LENGTH = 1024
 RFC3339 = "%Y-%m-%dT%H:%M:%SZ"
-LAST_SCRAPE_REFRESH_SECONDS = 30
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,13 @@ def rollout(workload: Mapping[str, Any] | None, desired: int) -> Rollout:
     )
 
 
+def router_replicas(isvc: InferenceService, deployment: Mapping[str, Any] | None) -> int:
+    """The router pods to wait for: the Deployment's own count once it has one, which an HPA
+    or `kubectl scale` may own instead of the spec (the operator leaves it to them)."""
+    replicas = ((deployment or {}).get("spec") or {}).get("replicas")
+    return replicas if isinstance(replicas, int) else isvc.spec.routing.router_replicas
+
+
 def pod_problems(pods: Sequence[Mapping[str, Any]]) -> list[str]:
     """What keeps pods from ever becoming ready, one line per pod, naming the pod."""
     problems = []
@@ -190,8 +203,12 @@ def condition(
 def _merge_conditions(
     ours: list[dict[str, Any]], previous: Sequence[Mapping[str, Any]]
 ) -> list[dict[str, Any]]:
-    """Our three conditions first, then any other condition types left by other writers."""
-    others = [dict(p) for p in previous if p.get("type") not in CONDITION_TYPES]
+    """Our conditions first, then any other condition types left by other writers."""
+    others = [
+        dict(p)
+        for p in previous
+        if p.get("type") not in CONDITION_TYPES and p.get("type") not in RETIRED_TYPES
+    ]
     return ours + others
 
 
@@ -204,13 +221,15 @@ def compute(
     now: str,
     plan: builders.RankPlan | None = None,
     live: Live | None = None,
+    missing: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The whole status of a valid InferenceService whose children are `observed`.
 
     `plan` is what was applied (the spec's ranks unless the autoscaler or the health checks
     changed them); `live` is what the ranks' metrics said at the last scrape (None: no scrape
-    yet, and the live fields are left as they are). A field whose value is None is one to
-    remove (`publish` sends it as null in the merge patch).
+    yet, and the live fields are left as they are); `missing` names the children that should
+    exist and do not (deleted behind the operator's back: being restored). A field whose value
+    is None is one to remove (`publish` sends it as null in the merge patch).
     """
     previous = previous or {}
     old_conditions = previous.get("conditions") or []
@@ -218,7 +237,11 @@ def compute(
     plan = plan or builders.RankPlan.of(isvc)
     desired = live.desired if live is not None else plan.pods
     ranks = rollout(observed.statefulset, plan.pods)
-    router = rollout(observed.router, spec.routing.router_replicas) if spec.has_router else None
+    router = (
+        rollout(observed.router, router_replicas(isvc, observed.router))
+        if spec.has_router
+        else None
+    )
     problems = pod_problems(observed.pods)
     url = builders.ingress_url(isvc, _load_balancer_address(observed.ingress))
 
@@ -239,8 +262,8 @@ def compute(
     router_text = f"router {router.ready}/{router.desired} ready" if router else "no router"
     summary = f"{rank_text}; {router_text}"
 
-    if plan.pods == 0:
-        ready = cond(READY, False, "NoRanks", "spec.replicas is 0: no rank serves requests")
+    if missing and observed.statefulset is not None:
+        ready = cond(READY, False, "ChildrenMissing", "restoring " + ", ".join(missing))
     elif observed.statefulset is None:
         ready = cond(READY, False, "RanksNotReady", "the rank StatefulSet does not exist yet")
     elif not ranks.complete:
@@ -248,24 +271,30 @@ def compute(
         ready = cond(READY, False, reason, summary)
     elif router is not None and not router.complete:
         ready = cond(READY, False, "RouterNotReady", summary)
+    elif plan.pods == 0:
+        # Reconciled to what was asked for (kstatus: Current); Argo CD shows it Suspended.
+        ready = cond(READY, True, "ScaledToZero", "spec.replicas is 0: no rank serves requests")
     else:
         ready = cond(
             READY, True, "Ready", f"{summary}; serving at {url or builders.cluster_url(isvc)}"
         )
 
     converged = ranks.complete and (router is None or router.complete)
-    if converged:
-        progressing = cond(PROGRESSING, False, "Complete", summary)
+    if missing:
+        reconciling = cond(RECONCILING, True, "Restoring", "restoring " + ", ".join(missing))
+    elif converged:
+        reconciling = cond(RECONCILING, False, "Complete", summary)
     elif observed.statefulset is None or (ranks.current == 0 and ranks.desired > 0):
-        progressing = cond(PROGRESSING, True, "Creating", summary)
+        reconciling = cond(RECONCILING, True, "Creating", summary)
     elif ranks.observed and ranks.revision_settled and ranks.current != ranks.desired:
-        progressing = cond(
-            PROGRESSING, True, "Scaling", f"{ranks.current} -> {ranks.desired} ranks"
+        reconciling = cond(
+            RECONCILING, True, "Scaling", f"{ranks.current} -> {ranks.desired} ranks"
         )
     elif not ranks.observed or not ranks.revision_settled or ranks.updated < ranks.desired:
-        progressing = cond(PROGRESSING, True, "RollingUpdate", summary)
+        reconciling = cond(RECONCILING, True, "RollingUpdate", summary)
     else:
-        progressing = cond(PROGRESSING, True, "Starting", summary)
+        reconciling = cond(RECONCILING, True, "Starting", summary)
+    stalled_condition = cond(STALLED, False, "AsExpected", "every child was applied")
 
     stalled = list(live.stalled.values()) if live else []
     imbalance = live.imbalance if live else None
@@ -284,7 +313,9 @@ def compute(
         degraded = cond(DEGRADED, False, "AsExpected", "no failing pods, no stalled rank")
 
     status: dict[str, Any] = {
-        "conditions": _merge_conditions([ready, progressing, degraded], old_conditions),
+        "conditions": _merge_conditions(
+            [ready, reconciling, stalled_condition, degraded], old_conditions
+        ),
         "url": url or builders.cluster_url(isvc),
         "clusterURL": builders.cluster_url(isvc),
         "replicas": ranks.current,
@@ -311,8 +342,9 @@ def compute(
 def _rank_entries(
     ranks: Sequence[Mapping[str, Any]], previous: Any, now: str
 ) -> list[dict[str, Any]]:
-    """The ranks' entries; a rank whose numbers did not change keeps its earlier lastScrape for
-    up to LAST_SCRAPE_REFRESH_SECONDS, so a steady service is not rewritten on every scrape."""
+    """The ranks' entries, written only when they change: a rank whose numbers did not change
+    keeps its earlier lastScrape, and an Unreachable rank its earlier message (the error's
+    wording may vary from one scrape to the next; that it does not answer does not)."""
     before = {
         entry.get("rank"): entry
         for entry in (previous if isinstance(previous, list) else [])
@@ -322,12 +354,15 @@ def _rank_entries(
     for entry in ranks:
         entry = dict(entry)
         old = before.get(entry["rank"])
-        if old is not None and "lastScrape" in entry and "lastScrape" in old:
-            same = {k: v for k, v in old.items() if k != "lastScrape"} == {
-                k: v for k, v in entry.items() if k != "lastScrape"
-            }
-            if same and _seconds_between(old["lastScrape"], now) < LAST_SCRAPE_REFRESH_SECONDS:
-                entry["lastScrape"] = old["lastScrape"]
+        if old is not None:
+            if entry.get("state") == old.get("state") == "Unreachable" and "message" in old:
+                entry["message"] = old["message"]
+            if "lastScrape" in entry and "lastScrape" in old:
+                same = {k: v for k, v in old.items() if k != "lastScrape"} == {
+                    k: v for k, v in entry.items() if k != "lastScrape"
+                }
+                if same and _seconds_between(old["lastScrape"], now) != float("inf"):
+                    entry["lastScrape"] = old["lastScrape"]
         entries.append(entry)
     return entries
 
@@ -348,42 +383,38 @@ def failed(
     *,
     generation: int | None,
     now: str,
+    retrying: bool = False,
 ) -> dict[str, Any]:
-    """The status of a generation that could not be applied; running children stay as they are."""
+    """The status of a generation that could not be applied; running children stay as they are.
+
+    `retrying`: the failure is the API server's (ApplyFailed), and the operator tries again
+    with backoff: Reconciling. Otherwise it waits for someone to act (a new spec, a freed name,
+    a granted permission): Stalled, which kstatus and Flux read as failed at once.
+    """
     previous = dict(previous or {})
     old_conditions = previous.get("conditions") or []
+
+    def cond(type_: str, status: bool, why: str, text: str) -> dict[str, Any]:
+        return condition(
+            type_, status, why, text, generation=generation, previous=old_conditions, now=now
+        )
+
+    if reason == INVALID_SPEC:
+        next_step = "not applied; fix the spec"
+    elif retrying:
+        next_step = "not applied; retrying"
+    else:
+        next_step = "not applied; retried now and then until the cause is gone"
     ours = [
-        condition(
-            READY, False, reason, message, generation=generation, previous=old_conditions, now=now
-        ),
-        condition(
-            PROGRESSING,
-            False,
-            reason,
-            "not applied; fix the spec" if reason == INVALID_SPEC else "not applied; retrying",
-            generation=generation,
-            previous=old_conditions,
-            now=now,
-        ),
-        condition(
-            DEGRADED, True, reason, message, generation=generation, previous=old_conditions, now=now
-        ),
+        cond(READY, False, reason, message),
+        cond(RECONCILING, retrying, reason, next_step),
+        cond(STALLED, not retrying, reason, message if not retrying else next_step),
+        cond(DEGRADED, True, reason, message),
     ]
     previous["conditions"] = _merge_conditions(ours, old_conditions)
     if generation is not None:
         previous["observedGeneration"] = generation
     return previous
-
-
-def sticky_failure(status: Mapping[str, Any] | None, generation: int | None) -> bool:
-    """Whether `status` reports that this very generation failed to apply."""
-    for cond in (status or {}).get("conditions") or []:
-        if cond.get("type") == READY:
-            return (
-                cond.get("reason") in STICKY_REASONS
-                and cond.get("observedGeneration") == generation
-            )
-    return False
 
 
 def _load_balancer_address(ingress: Mapping[str, Any] | None) -> str | None:
@@ -405,13 +436,13 @@ def _clip(message: str) -> str:
 
 async def publish(
     kube: Kube, namespace: str, name: str, current: Mapping[str, Any] | None, new: Mapping[str, Any]
-) -> bool:
-    """Write `new` over `current` as a merge patch of .status; False (and no request) if equal."""
+) -> dict[str, Any] | None:
+    """Write `new` over `current` as a merge patch of .status: the resource as stored afterwards,
+    or None (and no request at all) when nothing changed."""
     patch = merge_patch(current or {}, new)
     if not patch:
-        return False
-    await kube.patch_status(namespace, name, patch)
-    return True
+        return None
+    return await kube.patch_status(namespace, name, patch)
 
 
 def merge_patch(current: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:

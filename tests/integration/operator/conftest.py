@@ -1,9 +1,13 @@
-"""The operator, with kopf running for real, against kmock's emulated Kubernetes API.
+"""The operator, with kopf running for real, against kmock's emulated Kubernetes API, for what
+the real control plane in tests/cluster/ cannot show: ranks that are real `berth serve` processes,
+whose /metrics the operator scrapes (autoscaling, stalls, imbalance). kwok's pods run nothing.
 
 kmock quirks handled here (see ../shared/reference/testing-and-performance.md §1): it never sets
 resourceVersion, uid or generation (the tests seed them, and bump generation on spec changes like
-the API server does); it has no controllers (tests patch the children's status); it has no
-server-side apply (k8s.Kube falls back to create on 404) and no garbage collection.
+the API server does); it has no controllers (tests patch the children's status and make the pods);
+and `ApplyingEmulator` gives it the two things of server-side apply the operator relies on: an
+apply creates a missing object, and a dry run stores nothing. Everything else about server-side
+apply, admission, RBAC and garbage collection is tested against the real API server.
 """
 
 from __future__ import annotations
@@ -15,13 +19,42 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+import aiohttp.web
 import kmock
 import kopf
 import pytest
 
 import berth_operator.handlers  # noqa: F401  (registers the handlers with kopf)
+from berth_operator import builders
 from berth_operator import constants as c
 from berth_operator.k8s import Kube
+
+
+class ApplyingEmulator(kmock.KubernetesEmulator):
+    """kmock, plus: a server-side apply of a missing object creates it; a dry run stores
+    nothing (and answers with the object sent)."""
+
+    async def _handle(self, request: Any) -> aiohttp.web.StreamResponse:
+        if request.resource is not None and request.params.get("dryRun"):
+            return aiohttp.web.json_response(request.data or {})
+        if (
+            request.action == kmock.action.UPDATE
+            and request.name is not None
+            and request.subresource is None
+            and request.headers.get("Content-Type", "").startswith("application/apply-patch")
+        ):
+            key = (request.resource, request.namespace, request.name)
+            async with self._lock:
+                if key not in self.objects or self.objects[key].deleted:
+                    if key in self.objects:
+                        self.objects[key].create(request.data)
+                    else:
+                        self.objects[key] = request.data
+                    raw = self.objects[key].last.raw
+                    await self._buses[request.resource].put({"type": "ADDED", "object": raw})
+                    return aiohttp.web.json_response(raw, status=201)
+        return await super()._handle(request)
+
 
 T = TypeVar("T")
 
@@ -33,9 +66,6 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
     "v1/pods": kmock.ResourceInfo(kind="Pod", namespaced=True, verbs=VERBS),
     "v1/services": kmock.ResourceInfo(kind="Service", namespaced=True, verbs=VERBS),
     "v1/serviceaccounts": kmock.ResourceInfo(kind="ServiceAccount", namespaced=True, verbs=VERBS),
-    "rbac.authorization.k8s.io/v1/roles": kmock.ResourceInfo(
-        kind="Role", namespaced=True, verbs=VERBS
-    ),
     "rbac.authorization.k8s.io/v1/rolebindings": kmock.ResourceInfo(
         kind="RoleBinding", namespaced=True, verbs=VERBS
     ),
@@ -64,8 +94,21 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
     ),
 }
 # Every watch the operator opens; it is ready once all of them stream.
-WATCHED = ("inferenceservices", "statefulsets", "deployments", "ingresses", "pods")
+WATCHED = (
+    "inferenceservices",
+    "statefulsets",
+    "deployments",
+    "services",
+    "poddisruptionbudgets",
+    "ingresses",
+    "serviceaccounts",
+    "rolebindings",
+    "pods",
+)
 TIMEOUT = 10.0
+NS = "team-a"
+STS = "apps/v1/statefulsets"
+DEPLOY = "apps/v1/deployments"
 
 
 async def eventually(check: Callable[[], T], *, timeout: float = TIMEOUT, what: str = "") -> T:
@@ -172,10 +215,59 @@ def _resource_str(res: Any) -> str:
 
 
 @pytest.fixture
+def kmock_options(kmock_options: dict[str, Any]) -> dict[str, Any]:
+    return {**kmock_options, "cls": ApplyingEmulator}
+
+
+@pytest.fixture
 async def cluster(kmock: kmock.KubernetesEmulator) -> Cluster:
     for key, info in RESOURCES.items():
         kmock.resources[key] = info
     return Cluster(kmock)
+
+
+def isvc(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": c.API_VERSION,
+        "kind": c.KIND,
+        "metadata": {"name": name, "namespace": NS, "generation": 1},
+        "spec": copy.deepcopy(spec),
+    }
+
+
+def reason(cluster: Cluster, name: str, type_: str = "Ready") -> str | None:
+    return cluster.condition(NS, name, type_).get("reason")
+
+
+async def mark_ready(cluster: Cluster, name: str, ranks: int, routers: int = 1) -> None:
+    """Play the StatefulSet and Deployment controllers: every pod up and ready."""
+    await cluster.patch_status(
+        STS,
+        NS,
+        name,
+        {
+            "replicas": ranks,
+            "readyReplicas": ranks,
+            "updatedReplicas": ranks,
+            "currentRevision": "r1",
+            "updateRevision": "r1",
+        },
+    )
+    if routers:
+        await cluster.patch_status(
+            DEPLOY,
+            NS,
+            builders.router_name(name),
+            {"replicas": routers, "readyReplicas": routers, "updatedReplicas": routers},
+        )
+
+
+def posted_events(cluster: Cluster, since: int = 0) -> list[dict[str, Any]]:
+    return [
+        r.data
+        for r in cluster.requests(since)
+        if r.method == "POST" and r.url.path.endswith("/events")
+    ]
 
 
 @contextlib.asynccontextmanager

@@ -231,7 +231,27 @@ def closed(schema: dict[str, Any]) -> dict[str, Any]:
 def validate_against_crd(body: dict[str, Any]) -> dict[str, Any]:
     defaulted = apply_schema_defaults(SCHEMA, body)
     jsonschema.Draft4Validator(closed(SCHEMA)).validate(defaulted)
+    check_list_map_keys(SCHEMA, defaulted)
     return defaulted
+
+
+def check_list_map_keys(schema: dict[str, Any], value: Any, path: str = "") -> None:
+    """`x-kubernetes-list-type: map` as the API server enforces it: one item per key."""
+    if isinstance(value, dict):
+        for key, sub in (schema.get("properties") or {}).items():
+            if key in value:
+                check_list_map_keys(sub, value[key], f"{path}.{key}")
+    elif isinstance(value, list) and "items" in schema:
+        if schema.get("x-kubernetes-list-type") == "map":
+            keys = schema["x-kubernetes-list-map-keys"]
+            seen = set()
+            for i, item in enumerate(value):
+                key = tuple(item.get(k) for k in keys)
+                if key in seen:
+                    raise jsonschema.ValidationError(f"{path}[{i}]: Duplicate value: {key}")
+                seen.add(key)
+        for i, item in enumerate(value):
+            check_list_map_keys(schema["items"], item, f"{path}[{i}]")
 
 
 CEL = celpy.Environment()
@@ -257,3 +277,17 @@ def cel_failures(body: dict[str, Any]) -> list[str]:
 
     visit(SCHEMA, apply_schema_defaults(SCHEMA, body))
     return failures
+
+
+def role_rules() -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) that the operator's shipped ClusterRole grants."""
+    role = yaml.safe_load((MANIFESTS / "rbac" / "role.yaml").read_text())
+    assert role["kind"] == "ClusterRole" and role["metadata"]["name"] == "berth-operator"
+    granted = set()
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    assert "*" not in (group, resource, verb), "no wildcards"
+                    granted.add((group, resource, verb))
+    return granted

@@ -9,10 +9,11 @@ import pytest
 
 from berth_operator import builders
 from berth_operator import constants as c
+from berth_operator import spec as spec_module
 from berth_operator.spec import InferenceService
-from berth_runtime.router.args import RouterArgs
-from berth_runtime.router.discovery import parse_selector, selector_matches
-from berth_runtime.router.server import build_parser as build_router_parser
+from berth_router.args import RouterArgs
+from berth_router.discovery import parse_selector, selector_matches
+from berth_router.server import build_parser as build_router_parser
 from berth_runtime.server_args import ServerArgs
 
 from .factories import FULL_SPEC, K8S_VERSIONS, SPEC_MATRIX, parse, validate_strict
@@ -67,7 +68,6 @@ def test_children_of_the_full_spec() -> None:
         ("Service", "chat-rank-2"),
         ("PodDisruptionBudget", "chat"),
         ("ServiceAccount", "chat-router"),
-        ("Role", "chat-router"),
         ("RoleBinding", "chat-router"),
         ("Deployment", "chat-router"),
         ("PodDisruptionBudget", "chat-router"),
@@ -95,7 +95,14 @@ def test_every_child_is_owned_labelled_and_namespaced() -> None:
         for key, value in builders.owned_labels("chat").items():
             assert labels[key] == value
         assert labels["app.kubernetes.io/name"] == "berth"
-        assert labels["app.kubernetes.io/instance"] == "chat"
+        # Argo CD's default tracking label: on a child it reads as "prune me".
+        assert "app.kubernetes.io/instance" not in labels
+    for pod_template in (
+        child["spec"]["template"]["metadata"]["labels"]
+        for child in builders.build_children(isvc)
+        if child["kind"] in ("StatefulSet", "Deployment")
+    ):
+        assert "app.kubernetes.io/instance" not in pod_template
 
 
 def test_without_uid_children_have_no_owner_reference() -> None:
@@ -427,23 +434,16 @@ def test_scaling_does_not_change_the_router_so_it_is_not_restarted() -> None:
     assert builders.build_router_deployment(parse({"replicas": 0})) == one_rank
 
 
-def test_router_account_may_only_list_and_watch_endpoint_slices() -> None:
+def test_router_account_is_bound_to_the_shipped_router_cluster_role_only() -> None:
     children = builders.build_children(parse({}))
     account = one(children, "ServiceAccount", "chat-router")
     assert account["automountServiceAccountToken"] is False  # the router pod opts in
-    role = one(children, "Role", "chat-router")
-    assert role["rules"] == [
-        {
-            "apiGroups": ["discovery.k8s.io"],
-            "resources": ["endpointslices"],
-            "verbs": ["list", "watch"],
-        }
-    ]
+    assert "Role" not in {o["kind"] for o in children}  # the rules ship in manifests/rbac/
     binding = one(children, "RoleBinding", "chat-router")
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",
-        "kind": "Role",
-        "name": "chat-router",
+        "kind": "ClusterRole",
+        "name": c.ROUTER_CLUSTER_ROLE,
     }
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "chat-router", "namespace": "team-a"}
@@ -451,7 +451,14 @@ def test_router_account_may_only_list_and_watch_endpoint_slices() -> None:
     pod = one(children, "Deployment", "chat-router")["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == account["metadata"]["name"]
     without = builders.build_children(parse({"routing": {"routerReplicas": 0}}))
-    assert not {"ServiceAccount", "Role", "RoleBinding"} & {o["kind"] for o in without}
+    assert not {"ServiceAccount", "RoleBinding"} & {o["kind"] for o in without}
+
+
+def test_the_runtime_env_names_the_operator_sets_are_the_ones_users_may_not() -> None:
+    spec = parse({"apiKeySecretRef": {"name": "k"}})
+    sts = one(builders.build_children(spec), "StatefulSet", "chat")
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    assert {e["name"] for e in container["env"]} == set(spec_module.MANAGED_ENV)
 
 
 def test_entry_service_points_at_the_router_or_at_the_ranks_without_one() -> None:

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from berth_common.cli import main as berth_main
 from berth_operator import builders, cli
 from berth_operator.spec import InferenceService
-from berth_runtime.cli import main as berth_main
 
 from .factories import REPO_ROOT, SAMPLES, load_yaml_docs
 
@@ -74,7 +74,7 @@ def test_berth_operator_render_through_the_berth_command(
     assert berth_main(["operator", "render", "-f", str(CPU_SAMPLE)]) == 0
     kinds = [d["kind"] for d in yaml.safe_load_all(capsys.readouterr().out)]
     assert kinds[:2] == ["Service", "StatefulSet"]
-    assert kinds.count("Deployment") == 1 and "Role" in kinds  # the router, with its account
+    assert kinds.count("Deployment") == 1 and "RoleBinding" in kinds  # the router, its account
 
 
 def test_render_reads_stdin() -> None:

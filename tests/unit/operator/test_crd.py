@@ -262,6 +262,10 @@ def test_full_spec_is_valid_for_the_crd() -> None:
             isvc_body({"runtime": {"env": [{"name": "BERTH_DP_RANK", "value": "1"}]}}),
             "set by the operator",
         ),
+        (
+            isvc_body({"runtime": {"env": [{"name": "HOME", "value": "/root"}]}}),
+            "set by the operator",
+        ),
     ],
 )
 def test_cel_rules_reject_what_the_parser_rejects(body: dict[str, Any], message: str) -> None:
@@ -293,3 +297,47 @@ def test_schema_rejects_what_the_parser_rejects(spec: dict[str, Any], field: str
     assert field in str(info.value.message) + "/".join(map(str, info.value.path))
     with pytest.raises(SpecError):
         InferenceServiceSpec.from_spec(spec)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"runtime": {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}},
+        {"runtime": {"imagePullSecrets": [{"name": "r"}, {"name": "r"}]}},
+        {
+            "scheduling": {
+                "topologySpreadConstraints": [
+                    {"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"},
+                    {"maxSkew": 2, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"},
+                ]
+            }
+        },
+    ],
+    ids=["env", "imagePullSecrets", "topologySpreadConstraints"],
+)
+def test_keyed_lists_refuse_duplicate_keys_like_the_parser(spec: dict[str, Any]) -> None:
+    with pytest.raises(jsonschema.ValidationError, match="Duplicate value"):
+        validate_against_crd(isvc_body(spec))
+    with pytest.raises(SpecError, match="duplicate entry"):
+        InferenceServiceSpec.from_spec(spec)
+
+
+def test_every_list_of_keyed_items_is_a_map_list_with_required_keys() -> None:
+    props = SPEC_SCHEMA["properties"]
+    lists = {
+        "env": props["runtime"]["properties"]["env"],
+        "imagePullSecrets": props["runtime"]["properties"]["imagePullSecrets"],
+        "topologySpreadConstraints": props["scheduling"]["properties"]["topologySpreadConstraints"],
+    }
+    for name, node in lists.items():
+        assert node["x-kubernetes-list-type"] == "map", name
+        # The API server accepts a map list only if its keys are required (or defaulted).
+        assert set(node["x-kubernetes-list-map-keys"]) <= set(node["items"]["required"]), name
+
+
+def test_reserved_env_names_agree_with_the_parser() -> None:
+    env_item = SPEC_SCHEMA["properties"]["runtime"]["properties"]["env"]["items"]
+    rule = next(r for r in env_item["x-kubernetes-validations"] if "self.name in" in r["rule"])
+    for name in spec_module.MANAGED_ENV:
+        assert f"'{name}'" in rule["rule"], name
+        assert name in rule["message"], name

@@ -120,10 +120,40 @@ def test_model_sources(uri: str, expected: dict[str, str]) -> None:
         ({"runtime": {"extraArgs": ["--port", "9000"]}}, "--port is set by the operator"),
         ({"runtime": {"extraArgs": ["--dp-rank=2"]}}, "--dp-rank is set by the operator"),
         # argparse accepts unique prefixes: --mod would be --model
-        ({"runtime": {"extraArgs": ["--mod", "x"]}}, "--model is set by the operator"),
+        (
+            {"runtime": {"extraArgs": ["--mod", "x"]}},
+            "--mod (read as --model) is set by the operator",
+        ),
         ({"runtime": {"extraArgs": [3]}}, "spec.runtime.extraArgs[0]: must be a string"),
         ({"runtime": {"env": [{"name": "BERTH_API_KEY", "value": "x"}]}}, "set by the operator"),
         ({"runtime": {"env": [{"value": "x"}]}}, "spec.runtime.env[0].name: required"),
+        (
+            {"runtime": {"env": [{"name": "HF_HUB_OFFLINE", "value": "0"}]}},
+            "spec.runtime.env[0].name: HF_HUB_OFFLINE is set by the operator",
+        ),
+        (
+            {"runtime": {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}},
+            "spec.runtime.env[1].name: duplicate entry 'A'",
+        ),
+        (
+            {"runtime": {"imagePullSecrets": [{"name": "r"}, {"name": "r"}]}},
+            "spec.runtime.imagePullSecrets[1].name: duplicate entry 'r'",
+        ),
+        (
+            {"scheduling": {"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "z"}]}},
+            "spec.scheduling.topologySpreadConstraints[0].whenUnsatisfiable: required",
+        ),
+        (
+            {
+                "scheduling": {
+                    "topologySpreadConstraints": [
+                        {"maxSkew": 1, "topologyKey": "z", "whenUnsatisfiable": "ScheduleAnyway"},
+                        {"maxSkew": 2, "topologyKey": "z", "whenUnsatisfiable": "ScheduleAnyway"},
+                    ]
+                }
+            },
+            "topologySpreadConstraints[1].topologyKey: duplicate entry for 'z' and ScheduleAnyway",
+        ),
         (
             {"runtime": {"env": [{"name": "A", "value": "x", "valueFrom": {}}]}},
             "either value or valueFrom",

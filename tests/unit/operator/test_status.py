@@ -76,7 +76,8 @@ def test_all_ranks_and_router_ready_is_ready() -> None:
     assert conds["Ready"]["status"] == "True"
     assert conds["Ready"]["reason"] == "Ready"
     assert "http://chat.team-a.svc/v1" in conds["Ready"]["message"]
-    assert conds["Progressing"] == {**conds["Progressing"], "status": "False", "reason": "Complete"}
+    assert conds["Reconciling"] == {**conds["Reconciling"], "status": "False", "reason": "Complete"}
+    assert conds["Stalled"]["status"] == "False"
     assert conds["Degraded"]["status"] == "False"
     assert all(c["observedGeneration"] == 7 for c in result["conditions"])
     assert result["observedGeneration"] == 7
@@ -140,8 +141,8 @@ def test_not_ready_reasons(observed: Observed, reason: str, progress: str) -> No
     conds = conditions(compute({"replicas": 2}, observed))
     assert conds["Ready"]["status"] == "False"
     assert conds["Ready"]["reason"] == reason
-    assert conds["Progressing"]["status"] == "True"
-    assert conds["Progressing"]["reason"] == progress
+    assert conds["Reconciling"]["status"] == "True"
+    assert conds["Reconciling"]["reason"] == progress
 
 
 def test_without_router_only_ranks_count() -> None:
@@ -152,13 +153,39 @@ def test_without_router_only_ranks_count() -> None:
     assert "no router" in conds["Ready"]["message"]
 
 
-def test_zero_replicas_is_not_ready() -> None:
+def test_zero_replicas_is_ready_once_scaled_to_zero() -> None:
+    # Reconciled to what was asked for: kstatus reads Current (Argo CD's check says Suspended).
     result = compute(
         {"replicas": 0},
         Observed(statefulset=sts(replicas=0, ready=0), router=deploy(replicas=1, ready=1)),
     )
-    assert conditions(result)["Ready"]["reason"] == "NoRanks"
-    assert conditions(result)["Progressing"]["reason"] == "Complete"
+    assert conditions(result)["Ready"]["status"] == "True"
+    assert conditions(result)["Ready"]["reason"] == "ScaledToZero"
+    assert conditions(result)["Reconciling"]["reason"] == "Complete"
+    still_there = compute(
+        {"replicas": 0},
+        Observed(statefulset=sts(replicas=1, ready=1), router=deploy(replicas=1, ready=1)),
+    )
+    assert conditions(still_there)["Ready"]["status"] == "False"
+
+
+def test_a_deleted_child_is_named_until_it_is_restored() -> None:
+    observed = Observed(statefulset=sts(replicas=1, ready=1), router=deploy(replicas=1, ready=1))
+    result = status.compute(
+        parse({}), observed, None, generation=7, now=NOW, missing=["Service chat-rank-0"]
+    )
+    conds = conditions(result)
+    assert conds["Ready"]["status"] == "False" and conds["Ready"]["reason"] == "ChildrenMissing"
+    assert conds["Ready"]["message"] == "restoring Service chat-rank-0"
+    assert conds["Reconciling"]["status"] == "True"
+
+
+def test_the_routers_own_replica_count_counts_once_an_hpa_owns_it() -> None:
+    router = deploy(replicas=3, ready=3)
+    router["spec"] = {"replicas": 3}  # an HPA scaled it; the spec says 1
+    result = compute({}, Observed(statefulset=sts(replicas=1, ready=1), router=router))
+    assert conditions(result)["Ready"]["status"] == "True"
+    assert "router 3/3 ready" in conditions(result)["Ready"]["message"]
 
 
 def pod(name: str, **status_fields: Any) -> dict[str, Any]:
@@ -255,10 +282,17 @@ def test_conditions_of_other_writers_are_kept() -> None:
     result = compute({}, Observed(), previous={"conditions": [foreign]})
     assert [c["type"] for c in result["conditions"]] == [
         "Ready",
-        "Progressing",
+        "Reconciling",
+        "Stalled",
         "Degraded",
         "SchedulerStalled",
     ]
+
+
+def test_conditions_of_earlier_operator_versions_go() -> None:
+    old = {"type": "Progressing", "status": "True", "reason": "Creating", "message": ""}
+    result = compute({}, Observed(), previous={"conditions": [old]})
+    assert "Progressing" not in [c["type"] for c in result["conditions"]]
 
 
 def test_ingress_address_becomes_the_url() -> None:
@@ -279,12 +313,24 @@ def test_failed_generation_keeps_the_rest_of_the_status() -> None:
     assert conds["Ready"]["status"] == "False" and conds["Ready"]["reason"] == "InvalidSpec"
     assert conds["Ready"]["message"] == "spec.replicas: bad"
     assert conds["Degraded"]["status"] == "True"
-    assert conds["Progressing"]["message"] == "not applied; fix the spec"
+    # kstatus: Stalled (Failed at once), not Reconciling.
+    assert conds["Stalled"]["status"] == "True"
+    assert conds["Stalled"]["message"] == "spec.replicas: bad"
+    assert conds["Reconciling"]["status"] == "False"
+    assert conds["Reconciling"]["message"] == "not applied; fix the spec"
     assert result["observedGeneration"] == 8
+    assert all(c["observedGeneration"] == 8 for c in result["conditions"])
     assert result["readyReplicas"] == 1  # the last good children still run
-    assert status.sticky_failure(result, 8)
-    assert not status.sticky_failure(result, 9)
-    assert not status.sticky_failure(previous, 7)
+
+
+def test_a_failure_being_retried_is_reconciling_not_stalled() -> None:
+    result = status.failed(
+        "ApplyFailed", "500: etcd is away", None, generation=3, now=NOW, retrying=True
+    )
+    conds = conditions(result)
+    assert conds["Ready"]["reason"] == "ApplyFailed"
+    assert conds["Reconciling"]["status"] == "True"
+    assert conds["Stalled"]["status"] == "False"
 
 
 def test_messages_are_clipped() -> None:
@@ -296,17 +342,21 @@ class RecordingKube:
     def __init__(self) -> None:
         self.patches: list[dict[str, Any]] = []
 
-    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+    async def patch_status(
+        self, namespace: str, name: str, patch: dict[str, Any]
+    ) -> dict[str, Any]:
         self.patches.append(patch)
+        return {"metadata": {"name": name}, "status": patch}
 
 
 def test_publish_writes_only_what_changed() -> None:
     kube = RecordingKube()
     current = {"url": "a", "replicas": 1, "conditions": [{"type": "Ready"}]}
-    assert not asyncio.run(status.publish(kube, "ns", "n", current, dict(current)))  # type: ignore[arg-type]
+    assert asyncio.run(status.publish(kube, "ns", "n", current, dict(current))) is None  # type: ignore[arg-type]
     assert kube.patches == []
-    assert asyncio.run(status.publish(kube, "ns", "n", current, {**current, "replicas": 2}))  # type: ignore[arg-type]
+    stored = asyncio.run(status.publish(kube, "ns", "n", current, {**current, "replicas": 2}))  # type: ignore[arg-type]
     assert kube.patches == [{"replicas": 2}]
+    assert stored == {"metadata": {"name": "n"}, "status": {"replicas": 2}}
 
 
 # --- merge patches -------------------------------------------------------------------------------
@@ -376,7 +426,6 @@ def test_merge_patch(current: dict[str, Any], new: dict[str, Any], patch: dict[s
 
 T0 = "2026-01-01T00:00:00Z"
 T10 = "2026-01-01T00:00:10Z"
-T29 = "2026-01-01T00:00:29Z"
 T30 = "2026-01-01T00:00:30Z"
 
 
@@ -467,18 +516,18 @@ def test_desired_replicas_come_from_the_autoscaler() -> None:
     assert result["replicas"] == 3 and result["readyReplicas"] == 3
     # The rollout is judged against the pods of the plan, not the desired ranks.
     assert conditions(result)["Ready"]["status"] == "True"
-    assert conditions(result)["Progressing"]["reason"] == "Complete"
+    assert conditions(result)["Reconciling"]["reason"] == "Complete"
     # Scaled up to 4, two of them still starting.
     up = compute_live(live_of(desired=4), observed=observed, plan=RankPlan(4))
     assert up["desiredReplicas"] == 4 and up["readyRanks"] == "3/4"
     assert conditions(up)["Ready"]["reason"] == "RanksNotReady"
-    assert conditions(up)["Progressing"]["status"] == "True"
+    assert conditions(up)["Reconciling"]["status"] == "True"
 
 
 def test_an_autoscaler_scale_up_reads_as_scaling() -> None:
     observed = Observed(statefulset=sts(replicas=3, ready=3), router=deploy(replicas=1, ready=1))
     up = compute_live(live_of(desired=4), observed=observed, plan=RankPlan(4))
-    assert conditions(up)["Progressing"]["reason"] == "Scaling"
+    assert conditions(up)["Reconciling"]["reason"] == "Scaling"
 
 
 STALLED = {1: "rank 1 (chat-1): scheduler heartbeat has not moved for 31s"}
@@ -568,17 +617,32 @@ def test_last_scrape_moves_when_the_numbers_do() -> None:
     assert [r["lastScrape"] for r in stalled["ranks"]] == [T0, T10]
 
 
-def test_last_scrape_is_refreshed_after_a_while_anyway() -> None:
-    assert status.LAST_SCRAPE_REFRESH_SECONDS == 30
+def test_a_steady_rank_is_never_rewritten_however_long_it_stays_steady() -> None:
     first = compute_live(live_of(), now=T0)
-    kept = compute_live(
-        live_of(ranks=[rank_entry(0, T29), rank_entry(1, T29)]), previous=first, now=T29
-    )
-    assert [r["lastScrape"] for r in kept["ranks"]] == [T0, T0]
-    refreshed = compute_live(
+    much_later = compute_live(
         live_of(ranks=[rank_entry(0, T30), rank_entry(1, T30)]), previous=first, now=T30
     )
-    assert [r["lastScrape"] for r in refreshed["ranks"]] == [T30, T30]
+    assert [r["lastScrape"] for r in much_later["ranks"]] == [T0, T0]
+    assert status.merge_patch(first, much_later) == {}
+
+
+def test_an_unreachable_rank_keeps_its_message_while_it_stays_unreachable() -> None:
+    def unreachable(message: str) -> dict[str, Any]:
+        return {
+            "rank": 0,
+            "pod": "chat-0",
+            "ready": True,
+            "state": "Unreachable",
+            "message": message,
+        }
+
+    first = compute_live(live_of(ranks=[unreachable("ConnectTimeout: timed out")]), now=T0)
+    again = compute_live(
+        live_of(ranks=[unreachable("ConnectError: [Errno 111] refused")]), previous=first, now=T10
+    )
+    assert status.merge_patch(first, again) == {}
+    back = compute_live(live_of(ranks=[rank_entry(0, T10)]), previous=first, now=T10)
+    assert back["ranks"][0]["state"] == "Serving"
 
 
 def test_last_scrape_without_a_usable_earlier_entry_is_the_new_one() -> None:

@@ -1,0 +1,207 @@
+"""Each kind of API error gets its own treatment, provoked on the real API server:
+
+- 403 (a ResourceQuota, an admission webhook's denial): a condition naming the verb and the
+  resource, retried now and then; the service comes up once the cause is gone;
+- 409 (a field another manager took over): applied again at once;
+- 422 for an immutable field (a child made by an earlier operator version): the child is
+  replaced; a StatefulSet is deleted with its pods orphaned and re-created, so they are adopted;
+- 5xx (a failing admission webhook): retried with exponential backoff.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from typing import Any
+
+from berth_operator import builders
+from berth_operator import constants as c
+from berth_operator.spec import InferenceService
+from tests.cluster import running_operator
+from tests.cluster.controlplane import ControlPlane
+from tests.cluster.helpers import (
+    apply,
+    condition,
+    events,
+    eventually,
+    get,
+    isvc,
+    pods,
+    rank_selector,
+    wait_condition,
+    wait_ready,
+)
+from tests.cluster.running_operator import USERNAME
+from tests.cluster.webhook import ALLOW, FAIL, Call, Webhook, serving
+
+
+def test_a_quota_refusal_is_a_condition_naming_verb_and_resource(
+    installed: ControlPlane, serving_namespace: str
+) -> None:
+    plane, ns, name = installed, serving_namespace, "quota"
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "no-deployments"},
+        "spec": {"hard": {"count/deployments.apps": "0"}},
+    }
+    apply(plane, ns, quota)
+    apply(plane, ns, isvc(name, {}))
+    body = wait_condition(plane, ns, name, "Ready", reason="Forbidden")
+    message = condition(body, "Ready")["message"]
+    assert message.startswith(f"create deployments.apps {ns}/{name}-router was refused: ")
+    assert "exceeded quota: no-deployments" in message
+    assert condition(body, "Stalled")["status"] == "True"
+    assert get(plane, "statefulset", ns, name) is None  # refused in the dry run: nothing applied
+    assert [e["reason"] for e in events(plane, ns, name) if e["type"] == "Warning"] == ["Forbidden"]
+    plane.kubectl("delete", "resourcequota", "no-deployments", "-n", ns)
+    wait_ready(plane, ns, name)
+
+
+def test_a_webhook_denial_is_a_condition_with_its_message(
+    installed: ControlPlane, serving_namespace: str
+) -> None:
+    plane, ns, name = installed, serving_namespace, "denied"
+    denial = "images from registry.invalid are not allowed in this namespace"
+    webhook = Webhook(answer=lambda call: denial if call.user == USERNAME else ALLOW)
+    with serving(plane, ns, webhook):
+        apply(plane, ns, isvc(name, {}))
+        body = wait_condition(plane, ns, name, "Ready", reason="Forbidden")
+        message = condition(body, "Ready")["message"]
+        assert message.startswith(f"create statefulsets.apps {ns}/{name} was refused: ")
+        assert "admission webhook" in message and denial in message
+        assert condition(body, "Stalled")["status"] == "True"
+        webhook.answer = lambda call: ALLOW
+        wait_ready(plane, ns, name)
+    # The refused generation was validated (dry run) before anything was written.
+    assert all(call.dry_run for call in webhook.calls[:1])
+
+
+def test_server_errors_are_retried_with_exponential_backoff(
+    installed: ControlPlane, serving_namespace: str
+) -> None:
+    plane, ns, name = installed, serving_namespace, "flaky"
+    failures = 3
+
+    def answer(call: Call) -> str:
+        mine = [c for c in webhook.calls if c.user == USERNAME]
+        return FAIL if call.user == USERNAME and len(mine) <= failures else ALLOW
+
+    webhook = Webhook(answer=answer)
+    with serving(plane, ns, webhook):
+        apply(plane, ns, isvc(name, {}))
+        body = wait_condition(plane, ns, name, "Ready", reason="ApplyFailed")
+        message = condition(body, "Ready")["message"]
+        assert "failed calling webhook" in message and "500" in message
+        # Being retried: Reconciling, not Stalled.
+        assert condition(body, "Reconciling")["status"] == "True"
+        assert condition(body, "Stalled")["status"] == "False"
+        wait_ready(plane, ns, name)
+    attempts = [call.time for call in webhook.calls if call.user == USERNAME and call.dry_run]
+    assert len(attempts) >= failures + 1
+    gaps = [b - a for a, b in zip(attempts, attempts[1 : failures + 1], strict=False)]
+    # 1 s, 2 s, 4 s: each wait doubles.
+    assert gaps[0] >= 0.8, gaps
+    assert all(later >= 1.6 * earlier for earlier, later in zip(gaps, gaps[1:], strict=False)), gaps
+    assert max(gaps) < 10, gaps
+
+
+def test_a_conflict_is_applied_again_at_once(
+    installed: ControlPlane, serving_namespace: str
+) -> None:
+    plane, ns, name = installed, serving_namespace, "conflict"
+    apply(plane, ns, isvc(name, {}))
+    wait_ready(plane, ns, name)
+    since = time.time()
+    plane.kubectl("set", "image", "-n", ns, f"statefulset/{name}", "runtime=registry.invalid/x:1")
+
+    def patches() -> list[dict[str, Any]]:
+        found = [
+            r
+            for r in running_operator.requests(plane, since)
+            if r["verb"] == "patch"
+            and r["objectRef"].get("resource") == "statefulsets"
+            and r["objectRef"].get("namespace") == ns
+        ]
+        assert any(r["responseStatus"]["code"] == 200 for r in found)
+        return found
+
+    found = eventually(patches, what="the StatefulSet applied again")
+    codes = [r["responseStatus"]["code"] for r in found]
+    assert codes[:2] == [409, 200], codes
+    assert "force=true" not in found[0]["requestURI"] and "force=true" in found[1]["requestURI"]
+    delay = running_operator.unix(found[1]["requestReceivedTimestamp"]) - running_operator.unix(
+        found[0]["stageTimestamp"]
+    )
+    assert delay < 0.5, delay
+    sts = get(plane, "statefulset", ns, name)
+    assert sts["spec"]["template"]["spec"]["containers"][0]["image"] != "registry.invalid/x:1"
+    restored = [e["message"] for e in events(plane, ns, name) if e["reason"] == "Restored"]
+    assert any("kubectl-set" in m and "image" in m for m in restored), restored
+
+
+def test_an_immutable_field_replaces_the_child_and_the_ranks_keep_their_pods(
+    installed: ControlPlane, serving_namespace: str
+) -> None:
+    plane, ns, name = installed, serving_namespace, "upgraded"
+    # First a spec the operator refuses, so that it applies nothing...
+    apply(plane, ns, isvc(name, {"replicas": 2, "runtime": {"extraArgs": ["--mod", "x"]}}))
+    body = wait_condition(plane, ns, name, "Ready", reason="InvalidSpec")
+    # ...while "an earlier operator version" made the children its way: a StatefulSet with a
+    # different (immutable) pod management policy, a RoleBinding to a Role of its own.
+    fixed = copy.deepcopy(body)
+    fixed["spec"]["runtime"].pop("extraArgs")
+    old = builders.build_children(InferenceService.from_body(fixed))
+    sts = next(child for child in old if child["kind"] == "StatefulSet")
+    sts["spec"]["podManagementPolicy"] = "OrderedReady"
+    binding = next(child for child in old if child["kind"] == "RoleBinding")
+    binding["roleRef"] = {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": f"{name}-router",
+    }
+    for child in (sts, binding):
+        plane.kubectl(
+            "apply",
+            "--server-side",
+            f"--field-manager={c.FIELD_MANAGER}",
+            "-f",
+            "-",
+            stdin=json.dumps(child),
+        )
+    eventually(
+        lambda: [
+            p for p in pods(plane, ns, rank_selector(name)) if p["status"].get("phase") == "Running"
+        ][1:],
+        60,
+        "the old StatefulSet's two pods",
+    )
+    before = {
+        p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(plane, ns, rank_selector(name))
+    }
+    old_sts_uid = get(plane, "statefulset", ns, name)["metadata"]["uid"]
+
+    # The new operator takes over the fixed spec: both children differ in an immutable field.
+    apply(plane, ns, isvc(name, {"replicas": 2}))
+    wait_ready(plane, ns, name)
+    new_sts = get(plane, "statefulset", ns, name)
+    assert new_sts["metadata"]["uid"] != old_sts_uid
+    assert new_sts["spec"]["podManagementPolicy"] == "Parallel"
+    assert get(plane, "rolebinding", ns, f"{name}-router")["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": c.ROUTER_CLUSTER_ROLE,
+    }
+    # No rank lost its pod: the same pods, adopted by the new StatefulSet.
+    after = pods(plane, ns, rank_selector(name))
+    assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in after} == before
+    assert {p["metadata"]["ownerReferences"][0]["uid"] for p in after} == {
+        new_sts["metadata"]["uid"]
+    }
+    replaced = [e["message"] for e in events(plane, ns, name) if e["reason"] == "Replaced"]
+    assert (
+        replaced
+        and f"StatefulSet {name}" in replaced[0]
+        and f"RoleBinding {name}-router" in replaced[0]
+    )

@@ -1,0 +1,202 @@
+"""What the operator asks of the API server, read from the API server's own audit log: the
+shipped RBAC is exactly what it uses, and a steady service costs (next to) nothing.
+
+This module runs last in the package (conftest.py): the RBAC check reads every request the
+operator made in all the other cluster tests.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import yaml
+
+from berth_operator import constants as c
+from tests.cluster import conftest, running_operator
+from tests.cluster.controlplane import REPO_ROOT, ControlPlane
+from tests.cluster.helpers import (
+    apply,
+    eventually,
+    isvc,
+    pods,
+    rank_selector,
+    request_rules,
+    status_of,
+    wait_ready,
+)
+from tests.cluster.running_operator import USERNAME, RunningOperator
+from tests.unit.operator.factories import role_rules
+
+ROLE = REPO_ROOT / "manifests" / "rbac" / "role.yaml"
+# Authorized, never sent as requests of their own: owner references with blockOwnerDeletion need
+# `update` on the owner's finalizers; binding berth-router needs `bind` on it.
+AUTHORIZATION_ONLY = {
+    (c.GROUP, f"{c.PLURAL}/finalizers", "update"),
+    ("rbac.authorization.k8s.io", "clusterroles", "bind"),
+}
+# Used only when a rank's scheduler stalls past its grace, which needs real ranks:
+# tests/integration/operator/test_autoscaling.py makes that call against its emulated API.
+USED_BY_HEALTH_CHECKS = {("", "pods", "delete")}
+STEADY_WINDOW_SECONDS = 30.0
+SERVICES = 3
+
+
+def granted() -> set[tuple[str, str, str]]:
+    role = yaml.safe_load(ROLE.read_text())
+    for rule in role["rules"]:
+        if "resourceNames" in rule:  # only `bind`, only on the router's role
+            assert rule["verbs"] == ["bind"] and rule["resourceNames"] == [c.ROUTER_CLUSTER_ROLE]
+    return role_rules()
+
+
+def settle(plane: ControlPlane, namespace: str, names: list[str]) -> None:
+    """Wait until every rank pod has been seen by a scrape (its entry names the pod), then one
+    more round: what the status says from then on is steady."""
+
+    def every_rank_scraped() -> bool:
+        for name in names:
+            ranks = status_of(plane, namespace, name)["ranks"]
+            assert len(ranks) == 2 and all(r.get("pod") for r in ranks), ranks
+        return True
+
+    eventually(every_rank_scraped, what="a scrape of every rank")
+    time.sleep(6)
+
+
+def test_the_role_allows_exactly_what_the_operator_uses(
+    installed: ControlPlane, berth_operator: RunningOperator, request: pytest.FixtureRequest
+) -> None:
+    requests = installed.audit_events(USERNAME)
+    assert requests
+    denied = [
+        (r["verb"], r["requestURI"])
+        for r in requests
+        if r.get("annotations", {}).get("authorization.k8s.io/decision") == "forbid"
+    ]
+    assert denied == [], "RBAC refused the operator"
+    used = request_rules(requests)
+    assert sorted(used - granted()) == []
+    modules = {item.path.name for item in request.session.items}
+    everything = {path.name for path in (REPO_ROOT / "tests" / "cluster").glob("test_*.py")}
+    if not everything <= modules:
+        pytest.skip("the unused-verb check needs every module of tests/cluster/ to have run")
+    unused = granted() - used - AUTHORIZATION_ONLY - USED_BY_HEALTH_CHECKS
+    assert sorted(unused) == [], f"the role allows what the operator never uses: {sorted(unused)}"
+
+
+def test_a_steady_service_costs_no_api_requests_and_its_status_is_written_on_change(
+    installed: ControlPlane, serving_namespace: str, berth_operator: RunningOperator
+) -> None:
+    plane, ns = installed, serving_namespace
+    names = [f"steady-{i}" for i in range(SERVICES)]
+    for name in names:
+        apply(plane, ns, isvc(name, {"replicas": 2, "ingress": {"host": f"{name}.example.com"}}))
+    for name in names:
+        wait_ready(plane, ns, name)
+
+    settle(plane, ns, names)
+
+    def scrape_errors() -> float:
+        total = 0.0
+        for line in berth_operator.metrics().splitlines():
+            if (
+                line.startswith("berth_operator_scrape_errors_total{")
+                and f'namespace="{ns}"' in line
+            ):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    scraped_before = scrape_errors()
+    statuses = {name: status_of(plane, ns, name) for name in names}
+    start = time.time()
+    time.sleep(STEADY_WINDOW_SECONDS)
+    window = running_operator.requests(plane, start)
+    changed = {
+        name: {
+            key: (statuses[name].get(key), value)
+            for key, value in status_of(plane, ns, name).items()
+            if statuses[name].get(key) != value
+        }
+        for name in names
+    }
+    scraped = scrape_errors() - scraped_before
+    # The ranks were scraped all along (kwok's pods do not answer, so every scrape counts as an
+    # error), and the statuses stayed the same: nothing was written, nothing read back.
+    rounds = STEADY_WINDOW_SECONDS / 5.0  # the installed --observe-interval (default 5 s)
+    assert scraped >= SERVICES * 2 * (rounds - 1), scraped
+    in_namespace = [r for r in window if (r.get("objectRef") or {}).get("namespace") == ns]
+    per_service_minute = len(in_namespace) / SERVICES / (STEADY_WINDOW_SECONDS / 60)
+    everywhere = len(window) / (STEADY_WINDOW_SECONDS / 60)
+    conftest.REPORTED["api-load"] = (
+        f"steady-state API load: {per_service_minute:.2f} requests per InferenceService per "
+        f"minute ({len(in_namespace)} in {STEADY_WINDOW_SECONDS:.0f}s for {SERVICES} services, "
+        f"2 ranks, router and Ingress each); {everywhere:.2f} requests per minute by the "
+        f"operator in all, watches included"
+    )
+    print(conftest.REPORTED["api-load"])
+    assert in_namespace == [], ([(r["verb"], r["requestURI"]) for r in in_namespace], changed)
+
+    # A change is written: a rank pod goes, the status says so, then says it is back.
+    since = time.time()
+    plane.kubectl("delete", "pod", f"{names[0]}-1", "-n", ns, "--wait=false")
+
+    def status_writes() -> list[dict[str, Any]]:
+        writes = [
+            r
+            for r in running_operator.requests(plane, since)
+            if (r.get("objectRef") or {}).get("subresource") == "status"
+            and r["objectRef"].get("name") == names[0]
+        ]
+        assert writes
+        return writes
+
+    eventually(status_writes, what="a status write after the pod went")
+    wait_ready(plane, ns, names[0])
+    assert len(pods(plane, ns, rank_selector(names[0]))) == 2
+
+
+def test_a_restarted_operator_resumes_every_service_and_changes_nothing(
+    installed: ControlPlane, serving_namespace: str, berth_operator: RunningOperator
+) -> None:
+    plane, ns, name = installed, serving_namespace, "resumed"
+    apply(plane, ns, isvc(name, {"replicas": 2, "ingress": {"host": "resumed.example.com"}}))
+    wait_ready(plane, ns, name)
+    settle(plane, ns, [name])
+    kinds = "bis,statefulset,deployment,service,pdb,ingress,serviceaccount,rolebinding"
+
+    def versions() -> dict[str, str]:
+        items = plane.get(kinds, "-n", ns)["items"]
+        return {
+            f"{i['kind']}/{i['metadata']['name']}": i["metadata"]["resourceVersion"] for i in items
+        }
+
+    before = versions()
+    status_before = status_of(plane, ns, name)
+    assert len(before) == 13  # 11 children, the InferenceService, the default ServiceAccount
+    assert running_operator.restart(plane, berth_operator) == 0  # SIGTERM: a clean exit
+    since = time.time()
+
+    def resumed() -> bool:
+        applies = [
+            r
+            for r in running_operator.requests(plane, since)
+            if r["verb"] == "patch"
+            and r["objectRef"].get("namespace") == ns
+            and "dryRun" not in r["requestURI"]
+            and r["objectRef"].get("subresource") is None
+        ]
+        assert len(applies) >= 11, len(applies)  # every child applied again...
+        return True
+
+    eventually(resumed, what="the new operator to apply every child again")
+    time.sleep(6)  # a scrape by the new operator, too
+    status_after = status_of(plane, ns, name)
+    changed = {
+        key: (status_before.get(key), status_after.get(key))
+        for key in {*status_before, *status_after}
+        if status_before.get(key) != status_after.get(key)
+    }
+    # ...and nothing changed: no write, not even the status.
+    assert versions() == before, changed
