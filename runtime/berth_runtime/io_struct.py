@@ -1,4 +1,5 @@
-"""Every message that crosses a process boundary, plus the API-side GenerateReqInput.
+"""Every message that crosses a process boundary, plus the API side's GenerateReqInput (what a
+handler asks the engine) and RequestOutput (what it gets back).
 
 Naming follows SGLang: `*ReqInput` goes into the engine, `*Out` comes out of it, `Batch*`
 carries one entry per request of a scheduler step. Wire structs are tagged msgspec structs, so
@@ -29,12 +30,69 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
     top_logprobs_num: int = 0
     # -1: logprobs of output tokens only; 0: of the prompt too (completions `echo` + `logprobs`).
     logprob_start_len: int = -1
-    # Routing signals: carried along the chain even though one server is one DP rank.
+    # The data-parallel rank the client pinned (refused unless it is this server's own) and the
+    # scheduling priority.
     routed_dp_rank: int | None = None
     priority: int | None = None
-    routing_key: str | None = None
     # False for internal probes (/health_generate): they do not count in the metrics.
     log_metrics: bool = True
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, gc=False):
+    """One position's token with its logprob (None: the first prompt token has none)."""
+
+    logprob: float | None
+    token_id: int
+    token: str  # the token's text
+
+
+class RequestOutput(msgspec.Struct, kw_only=True, gc=False):
+    """What a handler receives from the engine for one request: the new part of its output.
+
+    A streaming request yields one per step it advanced in; any other request yields one, when
+    it finishes. Counts are totals so far; text, token ids and logprobs are what is new.
+    """
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # of token_ids, when asked for
+    top_logprobs: list[list[TokenLogprob]] | None = None  # when top_logprobs_num > 0
+    # The prompt's logprobs (logprob_start_len == 0), in the first output only.
+    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_top_logprobs: list[list[TokenLogprob] | None] | None = None
+    # time.time() stamps along the chain, once finished.
+    timing: dict[str, float] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """This output and a later one of the same request as one (what a client that does not
+        stream gets)."""
+
+        def joined(a: list | None, b: list | None) -> list | None:
+            return b if a is None else a if b is None else a + b
+
+        return RequestOutput(
+            rid=self.rid,
+            text=self.text + later.text,
+            token_ids=self.token_ids + later.token_ids,
+            finish_reason=later.finish_reason,
+            prompt_tokens=later.prompt_tokens,
+            completion_tokens=later.completion_tokens,
+            cached_tokens=later.cached_tokens,
+            logprobs=joined(self.logprobs, later.logprobs),
+            top_logprobs=joined(self.top_logprobs, later.top_logprobs),
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+            prompt_top_logprobs=self.prompt_top_logprobs or later.prompt_top_logprobs,
+            timing=later.timing,
+        )
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
@@ -54,11 +112,7 @@ class TokenizedGenerateReqInput(_Msg):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
-    routed_dp_rank: int | None = None
     priority: int | None = None
-    routing_key: str | None = None
-    received_time: float = 0.0  # time.time() when the API received the request
-    tokenized_time: float = 0.0
 
 
 class AbortReq(_Msg):
@@ -106,50 +160,39 @@ class FinishReason(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 TopLogprobs = list[tuple[float, int]]
 
 
-class BatchTokenIDOut(_Msg):
-    """New token ids of the requests that advanced in one scheduler step (one entry per rid)."""
+class ReqOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One request's progress in one scheduler step: only what is new since its previous output.
 
-    rids: list[str]
-    new_token_ids: list[list[int]]
-    finished_reasons: list[FinishReason | None]
-    prompt_tokens: list[int]
-    completion_tokens: list[int]
-    cached_tokens: list[int]
-    # How the detokenizer must render each rid's text.
-    skip_special_tokens: list[bool]
-    stop_strs: list[list[str]]
-    # Logprobs of the new tokens (None where not requested).
-    output_token_logprobs: list[list[float] | None]
-    output_top_logprobs: list[list[TopLogprobs] | None]
-    # Prompt logprobs, sent once with the first output (None where not requested).
-    input_token_logprobs: list[list[float | None] | None]
-    input_top_logprobs: list[list[TopLogprobs | None] | None]
-    # Per-request time stamps (time.time()): queued in the scheduler, first scheduled, first token.
-    queued_times: list[float]
-    scheduled_times: list[float]
-    first_token_times: list[float]
+    The scheduler fills in the tokens; the detokenizer adds their text. A streaming request gets
+    one per step it advanced in; any other request gets one, when it finishes.
+    """
+
+    rid: str
+    new_token_ids: list[int]
+    text: str = ""  # the text of new_token_ids, UTF-8 safe and cut at a stop string
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # so far
+    cached_tokens: int = 0
+    # Logprobs of new_token_ids (None where not asked for); the prompt's are sent once.
+    output_token_logprobs: list[float] | None = None
+    output_top_logprobs: list[TopLogprobs] | None = None
+    input_token_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[TopLogprobs | None] | None = None
+    # time.time() stamps: queued in the scheduler, first scheduled, first token.
+    queued_time: float = 0.0
+    scheduled_time: float = 0.0
+    first_token_time: float = 0.0
+    # How the detokenizer renders the text.
+    skip_special_tokens: bool = True
+    stop_strs: list[str] = msgspec.field(default_factory=list)
 
 
-# --- detokenizer -> tokenizer manager -----------------------------------------------------------
+class BatchOutput(_Msg):
+    """Every request that advanced in one scheduler step: scheduler -> detokenizer (tokens),
+    then detokenizer -> tokenizer manager (the same outputs with their text)."""
 
-
-class BatchStrOut(_Msg):
-    """New text (and the token ids behind it) of the requests that advanced in one step."""
-
-    rids: list[str]
-    output_strs: list[str]  # text delta since the previous BatchStrOut of that rid
-    new_token_ids: list[list[int]]
-    finished_reasons: list[FinishReason | None]
-    prompt_tokens: list[int]
-    completion_tokens: list[int]
-    cached_tokens: list[int]
-    output_token_logprobs: list[list[float] | None]
-    output_top_logprobs: list[list[TopLogprobs] | None]
-    input_token_logprobs: list[list[float | None] | None]
-    input_top_logprobs: list[list[TopLogprobs | None] | None]
-    queued_times: list[float]
-    scheduled_times: list[float]
-    first_token_times: list[float]
+    outputs: list[ReqOutput]
 
 
 # --- scheduler -> (detokenizer ->) tokenizer manager: heartbeat and control replies --------
@@ -178,5 +221,5 @@ class FlushCacheOut(_Msg):
     message: str = ""
 
 
-ToDetokenizer = BatchTokenIDOut | SchedulerStats
-ToTokenizer = BatchStrOut | SchedulerStats | FlushCacheOut
+ToDetokenizer = BatchOutput | SchedulerStats
+ToTokenizer = BatchOutput | SchedulerStats | FlushCacheOut

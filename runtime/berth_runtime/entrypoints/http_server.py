@@ -6,20 +6,18 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from berth_common.auth import ApiKeyMiddleware
 from berth_common.errors import RequestError
-from berth_common.http import SSE_DONE, add_error_handlers, error_response, sse_event
+from berth_common.http import add_error_handlers, error_response
 from berth_runtime import __version__
 from berth_runtime.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -55,6 +53,7 @@ class ServerState:
     tokenizer_manager: Any = None  # TokenizerManager once the engine is up
     serving_chat: Any = None
     serving_completion: Any = None
+    serving_generate: Any = None
 
     def __post_init__(self) -> None:
         self.metrics = MetricsCollector(self.args.model_name, self.args.dp_rank)
@@ -126,7 +125,7 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
         )
         try:
             async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
-                async for _ in tm.generate_request(obj, None):
+                async for _ in tm.generate_request(obj):
                     pass
         except (TimeoutError, RequestError) as e:
             return JSONResponse({"status": "unhealthy", "reason": str(e) or "timeout"}, 503)
@@ -223,15 +222,9 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
 
     @app.post("/generate")
     async def generate(raw_request: Request) -> Response:
-        tm = state.require_ready()
+        state.require_ready()
         body = await _json_body(raw_request)
-        objs, is_batch = _parse_generate(body)
-        if is_batch and any(o.stream for o in objs):
-            raise RequestError("streaming is only supported for a single prompt", param="stream")
-        if not is_batch and objs[0].stream:
-            return await _stream_generate(tm, objs[0], raw_request)
-        results = await asyncio.gather(*(_collect(tm, o, raw_request) for o in objs))
-        return JSONResponse(results if is_batch else results[0])
+        return await state.serving_generate.handle_request(body, raw_request)
 
     @app.post("/abort_request")
     async def abort_request(raw_request: Request) -> Response:
@@ -288,117 +281,3 @@ async def _json_body(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
     return body
-
-
-_GENERATE_FIELDS = {
-    "text",
-    "input_ids",
-    "sampling_params",
-    "stream",
-    "rid",
-    "return_logprob",
-    "top_logprobs_num",
-    "logprob_start_len",
-    "routed_dp_rank",
-    "priority",
-    "routing_key",
-}
-
-
-def _parse_generate(body: dict[str, Any]) -> tuple[list[GenerateReqInput], bool]:
-    """Native `/generate` body -> one GenerateReqInput per prompt, and whether it was a batch."""
-    unknown = set(body) - _GENERATE_FIELDS
-    if unknown:
-        raise RequestError(f"unknown field(s): {', '.join(sorted(unknown))}", param=min(unknown))
-    raw_params = body.get("sampling_params") or {}
-    if not isinstance(raw_params, dict):
-        raise RequestError("sampling_params must be an object", param="sampling_params")
-    unknown_params = set(raw_params) - set(SamplingParams.__struct_fields__)
-    if unknown_params:
-        raise RequestError(
-            f"unknown sampling parameter(s): {', '.join(sorted(unknown_params))}",
-            param="sampling_params",
-        )
-    try:
-        params = msgspec.convert(raw_params, SamplingParams, strict=False)
-    except msgspec.ValidationError as e:
-        raise RequestError(f"sampling_params: {e}", param="sampling_params") from e
-
-    text, input_ids = body.get("text"), body.get("input_ids")
-    if (text is None) == (input_ids is None):
-        raise RequestError("exactly one of text or input_ids is required", param="text")
-    prompts: list[tuple[str | None, list[int] | None]]
-    if isinstance(text, str):
-        prompts, is_batch = [(text, None)], False
-    elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-        prompts, is_batch = [(t, None) for t in text], True
-    elif _is_ids(input_ids):
-        prompts, is_batch = [(None, input_ids)], False
-    elif isinstance(input_ids, list) and input_ids and all(_is_ids(ids) for ids in input_ids):
-        prompts, is_batch = [(None, ids) for ids in input_ids], True
-    else:
-        param = "text" if text is not None else "input_ids"
-        raise RequestError(
-            f"{param} must be a string / token-id list or a non-empty list of them", param=param
-        )
-
-    base_rid = body.get("rid")
-    common = {}
-    try:
-        for key, typ in (
-            ("stream", bool),
-            ("return_logprob", bool),
-            ("top_logprobs_num", int),
-            ("logprob_start_len", int),
-            ("routed_dp_rank", int),
-            ("priority", int),
-            ("routing_key", str),
-        ):
-            if body.get(key) is not None:
-                common[key] = msgspec.convert(body[key], typ)
-    except msgspec.ValidationError as e:
-        raise RequestError(f"{key}: {e}", param=key) from e
-    objs = []
-    for i, (t, ids) in enumerate(prompts):
-        rid = None if base_rid is None else (f"{base_rid}-{i}" if is_batch else str(base_rid))
-        objs.append(
-            GenerateReqInput(text=t, input_ids=ids, sampling_params=params, rid=rid, **common)
-        )
-    return objs, is_batch
-
-
-def _is_ids(value: Any) -> bool:
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-    )
-
-
-async def _collect(tm: Any, obj: GenerateReqInput, raw_request: Request) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    async for out in tm.generate_request(obj, raw_request):
-        result = out
-    return result
-
-
-async def _stream_generate(tm: Any, obj: GenerateReqInput, raw_request: Request) -> Response:
-    gen = tm.generate_request(obj, raw_request)
-    try:
-        first = await gen.__anext__()  # errors before the first token stay plain HTTP errors
-    except StopAsyncIteration:
-        first = None
-
-    async def body() -> AsyncIterator[str]:
-        try:
-            if first is not None:
-                yield sse_event(first)
-                async for out in gen:
-                    yield sse_event(out)
-        except RequestError as e:
-            yield sse_event({"error": e.body()})
-        finally:
-            await gen.aclose()
-        yield SSE_DONE
-
-    return StreamingResponse(body(), media_type="text/event-stream")

@@ -218,6 +218,7 @@ def _precheck_device(args: ServerArgs) -> None:
 async def _start_engine(state: ServerState, engine: Engine, server: BerthServer) -> None:
     from berth_runtime.entrypoints.serving_chat import OpenAIServingChat
     from berth_runtime.entrypoints.serving_completions import OpenAIServingCompletion
+    from berth_runtime.entrypoints.serving_generate import NativeServingGenerate
     from berth_runtime.managers.tokenizer_manager import TokenizerManager
 
     loop = asyncio.get_running_loop()
@@ -262,6 +263,7 @@ async def _start_engine(state: ServerState, engine: Engine, server: BerthServer)
     state.tokenizer_manager = tm
     state.serving_chat = OpenAIServingChat(tm)
     state.serving_completion = OpenAIServingCompletion(tm)
+    state.serving_generate = NativeServingGenerate(tm)
     state.ready_time = time.time()
     state.phase = "ready"
     state.reason = ""

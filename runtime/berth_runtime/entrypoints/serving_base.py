@@ -31,15 +31,16 @@ from transformers import PreTrainedTokenizerBase
 from berth_common.errors import RequestError
 from berth_common.http import SSE_DONE, sse_event
 from berth_runtime.entrypoints.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
-from berth_runtime.io_struct import GenerateReqInput
+from berth_runtime.io_struct import GenerateReqInput, RequestOutput
 from berth_runtime.sampling_params import SamplingParams
 
-Output = dict[str, Any]
+Output = RequestOutput
 RequestT = TypeVar("RequestT", bound=SamplingRequest)
 
 DP_RANK_HEADER = "X-Data-Parallel-Rank"
-ROUTING_KEY_HEADER = "X-Routing-Key"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# How often a request that does not stream checks whether its client is still there.
+DISCONNECT_POLL_S = 1.0
 
 
 class EngineClient(Protocol):
@@ -49,9 +50,7 @@ class EngineClient(Protocol):
     model_name: str
     context_len: int
 
-    def generate_request(
-        self, obj: GenerateReqInput, raw_request: Request | None = None
-    ) -> AsyncGenerator[Output, None]: ...
+    def generate_request(self, obj: GenerateReqInput) -> AsyncGenerator[Output, None]: ...
 
 
 class StreamChunker(Protocol):
@@ -76,7 +75,7 @@ class OpenAIServingBase(ABC, Generic[RequestT]):
         self._check_model(request.model)
         base_rid = request.rid or uuid.uuid4().hex
         reqs = self.build_inputs(request, raw_request, base_rid)
-        streams = ChoiceStreams(self.tokenizer_manager, reqs, raw_request)
+        streams = ChoiceStreams(self.tokenizer_manager, reqs, raw_request, request.stream)
         outputs = await streams.start()
         response_id = f"{self.id_prefix}-{base_rid}"
         if request.stream:
@@ -181,7 +180,8 @@ def sampling_params(request: SamplingRequest, max_new_tokens: int | None) -> Sam
 
 
 def routing_signals(request: SamplingRequest, raw_request: Request) -> dict[str, Any]:
-    """DP rank, priority and routing key; a body field wins over its header."""
+    """DP rank and priority; a body field wins over its header. (A routing key is the router's:
+    a rank has nothing to do with it.)"""
     dp_rank = request.routed_dp_rank
     header = raw_request.headers.get(DP_RANK_HEADER)
     if dp_rank is None and header is not None:
@@ -197,39 +197,35 @@ def routing_signals(request: SamplingRequest, raw_request: Request) -> dict[str,
     return {
         "routed_dp_rank": dp_rank,
         "priority": request.priority,
-        "routing_key": request.routing_key or raw_request.headers.get(ROUTING_KEY_HEADER),
     }
 
 
 def usage_info(outputs: Sequence[Output], n: int) -> UsageInfo:
-    """Exact usage. As OpenAI bills it, a prompt counts once however many choices it has;
-    its cached tokens are the fewest any of its choices found cached (what was cached before)."""
-    metas = [out["meta_info"] for out in outputs]
-    per_prompt = [metas[start : start + n] for start in range(0, len(metas), n)]
-    prompt_tokens = sum(group[0]["prompt_tokens"] for group in per_prompt)
-    completion_tokens = sum(meta["completion_tokens"] for meta in metas)
+    """Exact usage from each choice's latest output. As OpenAI bills it, a prompt counts once
+    however many choices it has; its cached tokens are the fewest any of its choices found cached
+    (what was cached before)."""
+    per_prompt = [outputs[start : start + n] for start in range(0, len(outputs), n)]
+    prompt_tokens = sum(group[0].prompt_tokens for group in per_prompt)
+    completion_tokens = sum(out.completion_tokens for out in outputs)
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokensDetails(
-            cached_tokens=sum(min(meta["cached_tokens"] for meta in group) for group in per_prompt)
+            cached_tokens=sum(min(out.cached_tokens for out in group) for group in per_prompt)
         ),
     )
 
 
 def finish_reason(out: Output) -> str | None:
-    reason = out["meta_info"]["finish_reason"]
-    return None if reason is None else reason["type"]
+    return None if out.finish_reason is None else out.finish_reason.type
 
 
 def raise_if_aborted(out: Output) -> None:
     """An aborted choice (client gone, /abort_request, engine failure) as its RequestError."""
-    reason = out["meta_info"]["finish_reason"]
-    if reason is not None and reason["type"] == "abort":
-        raise RequestError(
-            reason.get("message") or "the request was aborted", reason.get("status_code") or 500
-        )
+    reason = out.finish_reason
+    if reason is not None and reason.type == "abort":
+        raise RequestError(reason.message or "the request was aborted", reason.status_code or 500)
 
 
 def finite(logprob: float) -> float:
@@ -263,34 +259,56 @@ async def event_stream(
 
 
 class ChoiceStreams:
-    """The engine output streams of one request's choices, read concurrently."""
+    """The engine output streams of one request's choices, read concurrently.
+
+    Not streaming, each choice's outputs are joined into one final output (the engine sends one,
+    at the end); streaming, they are read as they come. Watches for a client that goes away
+    while no response has started (once streaming, the server notices by itself).
+    """
 
     def __init__(
-        self, engine: EngineClient, reqs: Sequence[GenerateReqInput], raw_request: Request
+        self,
+        engine: EngineClient,
+        reqs: Sequence[GenerateReqInput],
+        raw_request: Request | None,
+        stream: bool,
     ) -> None:
-        self._gens = [engine.generate_request(req, raw_request) for req in reqs]
+        self._gens = [engine.generate_request(req) for req in reqs]
+        self._raw_request = raw_request
+        self._stream = stream
         self._pending: dict[int, asyncio.Future[Output]] = {}
         self.latest: list[Output] = []  # the newest output of each choice
 
     async def start(self) -> list[Output]:
-        """Submit every choice and return its first output (its only one when not streaming).
+        """Submit every choice and return its first output (its whole output when not
+        streaming).
 
         A choice rejected before its first output, or aborted in it, closes all the others and
-        raises its RequestError, so that the client gets a plain HTTP error, not a failing stream.
+        raises its RequestError, so that the client gets a plain HTTP error, not a failing stream;
+        so does a client that went away meanwhile (499).
         """
         self._pending = {index: self._read(index) for index in range(len(self._gens))}
+        watcher = asyncio.ensure_future(_disconnected(self._raw_request))
         try:
-            await asyncio.wait(self._pending.values(), return_when=asyncio.FIRST_EXCEPTION)
-            for task in self._pending.values():
-                error = task.exception() if task.done() else None
-                if error is not None:
-                    raise error
+            waiting = {*self._pending.values(), watcher}
+            while True:
+                done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if watcher in done:
+                    raise RequestError("client disconnected", 499)
+                for task in done:
+                    error = task.exception()
+                    if error is not None:
+                        raise error
+                if waiting == {watcher}:
+                    break
             self.latest = [task.result() for task in self._pending.values()]
             for out in self.latest:
                 raise_if_aborted(out)
         except BaseException:
             await self.close()
             raise
+        finally:
+            watcher.cancel()
         self._pending = {}
         for index, out in enumerate(self.latest):
             self._read_next_if_running(index, out)
@@ -307,7 +325,7 @@ class ChoiceStreams:
             while True:
                 self.latest[0] = out
                 yield 0, out
-                if finish_reason(out) is not None:
+                if out.finished:
                     return
                 out = await anext(gen)
         while self._pending:
@@ -334,8 +352,27 @@ class ChoiceStreams:
                 await gen.aclose()
 
     def _read(self, index: int) -> asyncio.Future[Output]:
-        return asyncio.ensure_future(anext(self._gens[index]))
+        if self._stream:
+            return asyncio.ensure_future(anext(self._gens[index]))
+        return asyncio.ensure_future(_whole(self._gens[index]))
 
     def _read_next_if_running(self, index: int, out: Output) -> None:
-        if finish_reason(out) is None:
+        if not out.finished:
             self._pending[index] = self._read(index)
+
+
+async def _whole(gen: AsyncGenerator[Output, None]) -> Output:
+    """A request's outputs joined into one, up to its finish."""
+    out = await anext(gen)
+    while not out.finished:
+        out = out.followed_by(await anext(gen))
+    return out
+
+
+async def _disconnected(raw_request: Request | None) -> None:
+    """Return once the client has gone away (never, without a request to watch)."""
+    if raw_request is None:
+        await asyncio.Event().wait()
+        return
+    while not await raw_request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)

@@ -68,8 +68,8 @@ class OpenAIServingChat(OpenAIServingBase[ChatCompletionRequest]):
         choices = [
             ChatCompletionChoice(
                 index=index,
-                message=ChatCompletionMessage(content=out["text"]),
-                logprobs=chat_logprobs(out, 0) if request.logprobs else None,
+                message=ChatCompletionMessage(content=out.text),
+                logprobs=chat_logprobs(out) if request.logprobs else None,
                 finish_reason=finish_reason(out),
             )
             for index, out in enumerate(outputs)
@@ -104,8 +104,6 @@ class ChatChunker:
         self._chunk = partial(ChatCompletionStreamResponse, id=response_id, model=model)
         self._n_choices = n_choices
         self._logprobs = logprobs
-        self._sent_chars = [0] * n_choices
-        self._sent_tokens = [0] * n_choices
 
     def opening(self) -> list[ChatCompletionStreamResponse]:
         role = DeltaMessage(role="assistant", content="")
@@ -115,15 +113,10 @@ class ChatChunker:
         ]
 
     def advance(self, index: int, out: Output) -> list[ChatCompletionStreamResponse]:
-        text = out["text"][self._sent_chars[index] :]
-        self._sent_chars[index] = len(out["text"])
-        logprobs = None
-        if self._logprobs:
-            logprobs = chat_logprobs(out, self._sent_tokens[index])
-            self._sent_tokens[index] = len(out["meta_info"]["output_token_logprobs"])
+        logprobs = chat_logprobs(out) if self._logprobs else None
         chunks = []
-        if text or (logprobs is not None and logprobs.content):
-            delta = DeltaMessage(content=text)
+        if out.text or (logprobs is not None and logprobs.content):
+            delta = DeltaMessage(content=out.text)
             choice = ChatCompletionStreamChoice(index=index, delta=delta, logprobs=logprobs)
             chunks.append(self._chunk(choices=[choice]))
         reason = finish_reason(out)
@@ -138,19 +131,21 @@ class ChatChunker:
         return self._chunk(choices=[], usage=usage)
 
 
-def chat_logprobs(out: Output, start: int) -> ChoiceLogprobs:
-    """Chat logprobs of the output tokens from position `start` on."""
-    meta = out["meta_info"]
-    tops = meta.get("output_top_logprobs")
+def chat_logprobs(out: Output) -> ChoiceLogprobs:
+    """Chat logprobs of the output's tokens."""
+    tops = out.top_logprobs
     content = []
-    for pos, (logprob, _, token) in enumerate(meta["output_token_logprobs"][start:], start):
+    for pos, chosen in enumerate(out.logprobs or []):
         alternatives = [
-            TopLogprob(token=alt, logprob=finite(alt_logprob), bytes=_utf8(alt))
-            for alt_logprob, _, alt in (tops[pos] if tops else [])
+            TopLogprob(token=alt.token, logprob=finite(alt.logprob), bytes=_utf8(alt.token))
+            for alt in (tops[pos] if tops else [])
         ]
         content.append(
             ChatCompletionTokenLogprob(
-                token=token, logprob=finite(logprob), bytes=_utf8(token), top_logprobs=alternatives
+                token=chosen.token,
+                logprob=finite(chosen.logprob),
+                bytes=_utf8(chosen.token),
+                top_logprobs=alternatives,
             )
         )
     return ChoiceLogprobs(content=content)

@@ -10,7 +10,6 @@ the sampled one (as OpenAI documents), so `logprobs=0` gives just the sampled to
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
 
 from fastapi import Request
 
@@ -31,10 +30,10 @@ from berth_runtime.entrypoints.serving_base import (
     sampling_params,
     usage_info,
 )
-from berth_runtime.io_struct import GenerateReqInput
+from berth_runtime.io_struct import GenerateReqInput, TokenLogprob
 
-# (logprob, token id, token text) of one position, and that position's top alternatives.
-Position = tuple[tuple[Any, int, str], list[tuple[float, int, str]] | None]
+# One position's token with its logprob, and that position's top alternatives.
+Position = tuple[TokenLogprob, list[TokenLogprob] | None]
 
 
 class OpenAIServingCompletion(OpenAIServingBase[CompletionRequest]):
@@ -76,13 +75,12 @@ class OpenAIServingCompletion(OpenAIServingBase[CompletionRequest]):
             echo = self._echo(request, req)
             logprobs = None
             if request.logprobs is not None:
-                meta = out["meta_info"]
-                prompt = positions(meta, "input", 0)
-                logprobs = completion_logprobs(prompt, positions(meta, "output", 0), len(echo))
+                prompt = prompt_positions(out)
+                logprobs = completion_logprobs(prompt, output_positions(out), len(echo))
             choices.append(
                 CompletionChoice(
                     index=index,
-                    text=echo + out["text"],
+                    text=echo + out.text,
                     logprobs=logprobs,
                     finish_reason=finish_reason(out),
                 )
@@ -110,8 +108,6 @@ class CompletionChunker:
         self._chunk = partial(CompletionStreamResponse, id=response_id, model=model)
         self._echoes = echoes  # emptied once sent
         self._logprobs = logprobs
-        self._sent_chars = [0] * len(echoes)
-        self._sent_tokens = [0] * len(echoes)
         self._offsets = [len(echo) for echo in echoes]  # text offset of the next output token
 
     def opening(self) -> list[CompletionStreamResponse]:
@@ -119,16 +115,13 @@ class CompletionChunker:
 
     def advance(self, index: int, out: Output) -> list[CompletionStreamResponse]:
         echo, self._echoes[index] = self._echoes[index], ""
-        text = echo + out["text"][self._sent_chars[index] :]
-        self._sent_chars[index] = len(out["text"])
+        text = echo + out.text
         logprobs = None
         if self._logprobs:
-            meta = out["meta_info"]
-            prompt = positions(meta, "input", 0) if echo else []
-            output = positions(meta, "output", self._sent_tokens[index])
+            prompt = prompt_positions(out) if echo else []
+            output = output_positions(out)
             logprobs = completion_logprobs(prompt, output, self._offsets[index])
-            self._sent_tokens[index] += len(output)
-            self._offsets[index] += sum(len(token) for (_, _, token), _ in output)
+            self._offsets[index] += sum(len(chosen.token) for chosen, _ in output)
         chunks = []
         if text or (logprobs is not None and logprobs.tokens):
             choice = CompletionChoice(index=index, text=text, logprobs=logprobs)
@@ -143,11 +136,16 @@ class CompletionChunker:
         return self._chunk(choices=[], usage=usage)
 
 
-def positions(meta: dict[str, Any], kind: str, start: int) -> list[Position]:
-    """The `input` or `output` token logprobs of `meta_info` from `start` on, with their tops."""
-    tokens = meta.get(f"{kind}_token_logprobs") or []
-    tops = meta.get(f"{kind}_top_logprobs") or [None] * len(tokens)
-    return list(zip(tokens[start:], tops[start:], strict=True))
+def output_positions(out: Output) -> list[Position]:
+    """The output's tokens with their logprobs and top alternatives."""
+    tokens = out.logprobs or []
+    return list(zip(tokens, out.top_logprobs or [None] * len(tokens), strict=True))
+
+
+def prompt_positions(out: Output) -> list[Position]:
+    """The prompt's tokens with their logprobs (None for the first) and top alternatives."""
+    tokens = out.prompt_logprobs or []
+    return list(zip(tokens, out.prompt_top_logprobs or [None] * len(tokens), strict=True))
 
 
 def completion_logprobs(
@@ -156,16 +154,16 @@ def completion_logprobs(
     """Legacy logprobs of the prompt positions (offsets from 0), then of the output positions."""
     logprobs = CompletionLogprobs()
     for part, offset in ((prompt, 0), (output, output_offset)):
-        for (logprob, _, token), top in part:
-            logprobs.tokens.append(token)
+        for chosen, top in part:
+            logprobs.tokens.append(chosen.token)
             logprobs.text_offset.append(offset)
-            offset += len(token)
-            if logprob is None:  # the first prompt token has no logprob
+            offset += len(chosen.token)
+            if chosen.logprob is None:  # the first prompt token has no logprob
                 logprobs.token_logprobs.append(None)
                 logprobs.top_logprobs.append(None)
                 continue
-            best = {alt: finite(alt_logprob) for alt_logprob, _, alt in top or []}
-            best.setdefault(token, finite(logprob))
-            logprobs.token_logprobs.append(finite(logprob))
+            best = {alt.token: finite(alt.logprob) for alt in top or []}
+            best.setdefault(chosen.token, finite(chosen.logprob))
+            logprobs.token_logprobs.append(finite(chosen.logprob))
             logprobs.top_logprobs.append(best)
     return logprobs

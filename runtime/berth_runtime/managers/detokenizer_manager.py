@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from berth_runtime.io_struct import BatchStrOut, BatchTokenIDOut, FinishReason
+from berth_runtime.io_struct import BatchOutput, FinishReason
 
 
 @dataclass
@@ -97,31 +97,14 @@ def _partial_stop_suffix(text: str, stop_strs: list[str]) -> int:
     return best
 
 
-def detokenize_batch(detok: IncrementalDetokenizer, batch: BatchTokenIDOut) -> BatchStrOut:
-    """One BatchStrOut for one BatchTokenIDOut: text deltas, everything else passed through."""
-    output_strs = [
-        detok.step(rid, ids, finish, stops, skip)
-        for rid, ids, finish, stops, skip in zip(
-            batch.rids,
-            batch.new_token_ids,
-            batch.finished_reasons,
-            batch.stop_strs,
-            batch.skip_special_tokens,
+def detokenize_batch(detok: IncrementalDetokenizer, batch: BatchOutput) -> BatchOutput:
+    """Fill in each output's text: the delta its new token ids add (in place; returned)."""
+    for out in batch.outputs:
+        out.text = detok.step(
+            out.rid,
+            out.new_token_ids,
+            out.finish_reason,
+            out.stop_strs,
+            out.skip_special_tokens,
         )
-    ]
-    return BatchStrOut(
-        rids=batch.rids,
-        output_strs=output_strs,
-        new_token_ids=batch.new_token_ids,
-        finished_reasons=batch.finished_reasons,
-        prompt_tokens=batch.prompt_tokens,
-        completion_tokens=batch.completion_tokens,
-        cached_tokens=batch.cached_tokens,
-        output_token_logprobs=batch.output_token_logprobs,
-        output_top_logprobs=batch.output_top_logprobs,
-        input_token_logprobs=batch.input_token_logprobs,
-        input_top_logprobs=batch.input_top_logprobs,
-        queued_times=batch.queued_times,
-        scheduled_times=batch.scheduled_times,
-        first_token_times=batch.first_token_times,
-    )
+    return batch

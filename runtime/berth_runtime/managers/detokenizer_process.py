@@ -1,4 +1,4 @@
-"""The detokenizer process: BatchTokenIDOut in, BatchStrOut out, one request's text at a time."""
+"""The detokenizer process: each step's outputs in with their tokens, out with their text."""
 
 from __future__ import annotations
 

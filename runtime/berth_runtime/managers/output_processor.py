@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from berth_runtime.io_struct import BatchTokenIDOut, FinishReason
+from berth_runtime.io_struct import BatchOutput, FinishReason, ReqOutput
 from berth_runtime.managers.schedule_batch import Req
 from berth_runtime.model_executor.sampler import SampleOutput
 
@@ -83,57 +83,38 @@ class OutputProcessor:
         if num_out >= req.max_new_tokens or req.fill_len >= self.context_len:
             req.finished_reason = FinishReason("length")
 
-    def make_output(self, reqs: list[Req]) -> BatchTokenIDOut:
-        """What each request gained since its last output: new token ids, logprobs, and its
-        finish reason once it has one."""
-        out = BatchTokenIDOut(
-            rids=[],
-            new_token_ids=[],
-            finished_reasons=[],
-            prompt_tokens=[],
-            completion_tokens=[],
-            cached_tokens=[],
-            skip_special_tokens=[],
-            stop_strs=[],
-            output_token_logprobs=[],
-            output_top_logprobs=[],
-            input_token_logprobs=[],
-            input_top_logprobs=[],
-            queued_times=[],
-            scheduled_times=[],
-            first_token_times=[],
+    def make_output(self, reqs: list[Req]) -> BatchOutput | None:
+        """What each request gained since its last output: new token ids, their logprobs, and
+        its finish reason once it has one. A request that does not stream is sent once, when it
+        finishes (nothing would read its partial outputs); None when nothing is to be sent."""
+        outputs = [self._req_output(req) for req in reqs if req.stream or req.finished]
+        return BatchOutput(outputs=outputs) if outputs else None
+
+    @staticmethod
+    def _req_output(req: Req) -> ReqOutput:
+        start = req.sent_len
+        req.sent_len = len(req.output_ids)
+        out = ReqOutput(
+            rid=req.rid,
+            new_token_ids=req.output_ids[start:],
+            finish_reason=req.finished_reason,
+            prompt_tokens=len(req.origin_input_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            queued_time=req.queued_time,
+            scheduled_time=req.scheduled_time,
+            first_token_time=req.first_token_time,
+            skip_special_tokens=req.sampling_params.skip_special_tokens,
+            stop_strs=req.sampling_params.stop,
         )
-        for req in reqs:
-            start = req.sent_len
-            req.sent_len = len(req.output_ids)
-            out.rids.append(req.rid)
-            out.new_token_ids.append(req.output_ids[start:])
-            out.finished_reasons.append(req.finished_reason)
-            out.prompt_tokens.append(len(req.origin_input_ids))
-            out.completion_tokens.append(len(req.output_ids))
-            out.cached_tokens.append(req.cached_tokens)
-            out.skip_special_tokens.append(req.sampling_params.skip_special_tokens)
-            out.stop_strs.append(req.sampling_params.stop)
-            if req.return_logprob:
-                out.output_token_logprobs.append(req.output_token_logprobs[start:])
-                out.output_top_logprobs.append(
-                    req.output_top_logprobs[start:] if req.top_logprobs_num else None
-                )
-            else:
-                out.output_token_logprobs.append(None)
-                out.output_top_logprobs.append(None)
-            send_prompt = req.return_prompt_logprobs and not req.prompt_logprobs_sent
-            send_prompt = send_prompt and (bool(req.output_ids) or req.finished)
-            if send_prompt:
-                req.prompt_logprobs_sent = True
-                out.input_token_logprobs.append(req.input_token_logprobs)
-                out.input_top_logprobs.append(
-                    req.input_top_logprobs if req.top_logprobs_num else None
-                )
-            else:
-                out.input_token_logprobs.append(None)
-                out.input_top_logprobs.append(None)
-            out.queued_times.append(req.queued_time)
-            out.scheduled_times.append(req.scheduled_time)
-            out.first_token_times.append(req.first_token_time)
+        if req.return_logprob:
+            out.output_token_logprobs = req.output_token_logprobs[start:]
+            if req.top_logprobs_num:
+                out.output_top_logprobs = req.output_top_logprobs[start:]
+        send_prompt = req.return_prompt_logprobs and not req.prompt_logprobs_sent
+        if send_prompt and (req.output_ids or req.finished):
+            req.prompt_logprobs_sent = True
+            out.input_token_logprobs = req.input_token_logprobs
+            if req.top_logprobs_num:
+                out.input_top_logprobs = req.input_top_logprobs
         return out

@@ -25,7 +25,6 @@ class Req:
         "top_logprobs_num",
         "return_prompt_logprobs",
         "priority",
-        "routing_key",
         "generator",
         "req_row",
         "kv_len",
@@ -40,7 +39,6 @@ class Req:
         "input_token_logprobs",
         "input_top_logprobs",
         "prompt_logprobs_sent",
-        "received_time",
         "queued_time",
         "scheduled_time",
         "first_token_time",
@@ -59,8 +57,6 @@ class Req:
         top_logprobs_num: int = 0,
         return_prompt_logprobs: bool = False,
         priority: int = 0,
-        routing_key: str | None = None,
-        received_time: float = 0.0,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = input_ids
@@ -72,7 +68,6 @@ class Req:
         self.top_logprobs_num = top_logprobs_num
         self.return_prompt_logprobs = return_prompt_logprobs
         self.priority = priority
-        self.routing_key = routing_key
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None and not sampling_params.is_greedy:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
@@ -91,7 +86,6 @@ class Req:
         self.input_token_logprobs: list[float | None] = []
         self.input_top_logprobs: list[TopLogprobs | None] = []
         self.prompt_logprobs_sent = False
-        self.received_time = received_time
         self.queued_time = time.time()
         self.scheduled_time = 0.0
         self.first_token_time = 0.0
@@ -110,8 +104,6 @@ class Req:
             top_logprobs_num=msg.top_logprobs_num,
             return_prompt_logprobs=msg.return_logprob and msg.logprob_start_len == 0,
             priority=msg.priority or 0,
-            routing_key=msg.routing_key,
-            received_time=msg.received_time,
         )
 
     @property

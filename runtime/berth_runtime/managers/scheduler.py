@@ -11,7 +11,7 @@ import torch
 
 from berth_runtime.io_struct import (
     AbortReq,
-    BatchTokenIDOut,
+    BatchOutput,
     FinishReason,
     FlushCacheOut,
     FlushCacheReq,
@@ -109,7 +109,7 @@ class Scheduler:
     def is_idle(self) -> bool:
         return not (self.policy.is_busy() or self.finished_unsent)
 
-    def step(self) -> BatchTokenIDOut | None:
+    def step(self) -> BatchOutput | None:
         """Run one batch; return what advanced (None when there was nothing to do)."""
         batch = self.policy.next_batch()
         result = self._execute(batch) if batch is not None else None
@@ -172,7 +172,7 @@ class Scheduler:
         logits = self.runner.compute_logits(hidden)
         return sample_rows(logits, reqs, self.eos_token_ids)
 
-    def _update(self, batch: BatchPlan | None, result: StepResult | None) -> BatchTokenIDOut | None:
+    def _update(self, batch: BatchPlan | None, result: StepResult | None) -> BatchOutput | None:
         """Take the sampled tokens in, finish and release who is done, settle the queues, and
         pack what advanced (including requests finished outside a step)."""
         advanced, self.finished_unsent = self.finished_unsent, []

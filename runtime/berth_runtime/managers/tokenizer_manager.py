@@ -8,10 +8,9 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any
 
 import msgspec
 import zmq
@@ -20,13 +19,16 @@ import zmq.asyncio
 from berth_common.errors import EngineDeadError, RequestError
 from berth_runtime.io_struct import (
     AbortReq,
-    BatchStrOut,
+    BatchOutput,
     FinishReason,
     FlushCacheOut,
     FlushCacheReq,
     GenerateReqInput,
+    ReqOutput,
+    RequestOutput,
     SchedulerStats,
     TokenizedGenerateReqInput,
+    TokenLogprob,
     ToTokenizer,
 )
 from berth_runtime.metrics import MetricsCollector
@@ -36,8 +38,6 @@ from berth_runtime.utils.zmq_ipc import PortArgs
 
 logger = logging.getLogger(__name__)
 
-# How often a non-streaming request checks whether its client is still there.
-DISCONNECT_POLL_S = 1.0
 RETRY_AFTER_S = 1
 
 
@@ -47,18 +47,13 @@ class ReqState:
 
     obj: GenerateReqInput
     event: asyncio.Event = field(default_factory=asyncio.Event)
+    out_list: list[RequestOutput] = field(default_factory=list)  # arrived, not yet handed over
     finished: bool = False
     finish_reason: FinishReason | None = None
-    updated: bool = False  # new output since the handler last looked
-    text: str = ""
-    output_ids: list[int] = field(default_factory=list)
+    # The latest counts, for metrics and the log.
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    output_token_logprobs: list[tuple[float, int, str]] = field(default_factory=list)
-    output_top_logprobs: list[list[tuple[float, int, str]]] = field(default_factory=list)
-    input_token_logprobs: list[tuple[float | None, int, str]] | None = None
-    input_top_logprobs: list[list[tuple[float, int, str]] | None] | None = None
     input_ids: list[int] = field(default_factory=list)
     # Time stamps (time.time()) along the chain.
     received_time: float = field(default_factory=time.time)
@@ -68,6 +63,13 @@ class ReqState:
     first_token_time: float = 0.0
     finished_time: float = 0.0
     last_output_time: float = 0.0  # when the API last received tokens (for TTFT / ITL)
+
+    def push(self, out: RequestOutput) -> None:
+        self.out_list.append(out)
+        if out.finish_reason is not None:
+            self.finished = True
+            self.finish_reason = out.finish_reason
+        self.event.set()
 
 
 class TokenizerManager:
@@ -128,24 +130,20 @@ class TokenizerManager:
     def mark_engine_dead(self, reason: str) -> None:
         """A child process died: fail every in-flight request now instead of letting it hang."""
         self.dead_reason = reason
-        for state in self.rid_to_state.values():
+        dead = FinishReason("abort", message=reason, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
+        for rid, state in self.rid_to_state.items():
             if not state.finished:
-                state.finished = True
-                state.finish_reason = FinishReason(
-                    "abort", message=reason, status_code=HTTPStatus.INTERNAL_SERVER_ERROR
-                )
-                state.updated = True
-                state.event.set()
+                state.push(RequestOutput(rid=rid, text="", token_ids=[], finish_reason=dead))
 
     # --- the request path ----------------------------------------------------------------------
 
-    async def generate_request(
-        self, obj: GenerateReqInput, raw_request: Any | None = None
-    ) -> AsyncGenerator[dict[str, Any], None]:
-        """Run one request; yield output dicts (one per step if streaming, else one at the end).
+    async def generate_request(self, obj: GenerateReqInput) -> AsyncGenerator[RequestOutput, None]:
+        """Run one request; yield its outputs (each step's new part if streaming, else one at the
+        end).
 
-        Rejections raise RequestError before the first yield. Closing the generator early (the
-        client went away) aborts the request in the scheduler.
+        Rejections raise RequestError before the first yield, and so does an abort that arrives
+        before any output. Closing the generator early (the client went away) aborts the request
+        in the scheduler.
         """
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -154,6 +152,7 @@ class TokenizerManager:
         rid = obj.rid or uuid.uuid4().hex
         if rid in self.rid_to_state:
             raise RequestError(f"a request with rid {rid!r} is already running", param="rid")
+        self._check_rank(obj)
         state = ReqState(obj=obj)
         self.rid_to_state[rid] = state
         sent = False
@@ -162,21 +161,34 @@ class TokenizerManager:
             self.send_to_scheduler.send(self.encoder.encode(tokenized))
             sent = True
             first = True
-            async for out in self._wait_outputs(rid, state, raw_request):
-                if (
-                    first
-                    and state.finish_reason is not None
-                    and state.finish_reason.type == "abort"
-                ):
-                    raise self._abort_error(state.finish_reason)
-                first = False
-                yield out
+            while True:
+                await state.event.wait()
+                state.event.clear()
+                outs, state.out_list = state.out_list, []
+                for out in outs:
+                    reason = out.finish_reason
+                    if first and reason is not None and reason.type == "abort":
+                        raise self._abort_error(reason)
+                    first = False
+                    yield out
+                if state.finished:
+                    return
         finally:
             if not state.finished and self.dead_reason is None:
                 self._send_abort(rid, "client disconnected")
             self.rid_to_state.pop(rid, None)
             if sent:
                 self._record_finished(rid, state)
+
+    def _check_rank(self, obj: GenerateReqInput) -> None:
+        """A request pinned to another data-parallel rank is refused, not served here."""
+        own = self.args.dp_rank or 0
+        if obj.routed_dp_rank is not None and obj.routed_dp_rank != own:
+            raise RequestError(
+                f"routed_dp_rank {obj.routed_dp_rank} names another rank: this server is rank "
+                f"{own}; send it through the router, or to that rank",
+                param="routed_dp_rank",
+            )
 
     def _record_finished(self, rid: str, state: ReqState) -> None:
         """Metrics and the per-request debug line, once, when the request leaves the API."""
@@ -259,40 +271,8 @@ class TokenizerManager:
             return_logprob=obj.return_logprob,
             top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
             logprob_start_len=obj.logprob_start_len,
-            routed_dp_rank=obj.routed_dp_rank,
             priority=obj.priority,
-            routing_key=obj.routing_key,
-            received_time=state.received_time,
-            tokenized_time=state.tokenized_time,
         )
-
-    async def _wait_outputs(
-        self, rid: str, state: ReqState, raw_request: Any | None
-    ) -> AsyncIterator[dict[str, Any]]:
-        last_check = time.monotonic()
-        while True:
-            # asyncio.timeout, not wait_for: no task per output (this runs for every token).
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(DISCONNECT_POLL_S):
-                    await state.event.wait()
-            # Outputs may arrive every step, so check for a vanished client by the clock.
-            now = time.monotonic()
-            if raw_request is not None and now - last_check >= DISCONNECT_POLL_S:
-                last_check = now
-                if not state.finished and await raw_request.is_disconnected():
-                    self._send_abort(rid, "client disconnected")
-                    state.finished = True  # do not abort twice
-                    raise RequestError("client disconnected", 499)
-            if not state.event.is_set():
-                continue
-            state.event.clear()
-            if not state.updated:
-                continue
-            state.updated = False
-            if state.finished or state.obj.stream:
-                yield self._make_output(rid, state)
-            if state.finished:
-                return
 
     def _abort_error(self, reason: FinishReason) -> RequestError:
         status = reason.status_code or HTTPStatus.INTERNAL_SERVER_ERROR
@@ -333,7 +313,7 @@ class TokenizerManager:
         while True:
             frame = await self.recv_from_engine.recv(copy=False)
             msg = self.decoder.decode(frame.buffer)
-            if isinstance(msg, BatchStrOut):
+            if isinstance(msg, BatchOutput):
                 self._handle_batch_output(msg)
             elif isinstance(msg, SchedulerStats):
                 self.last_stats = msg
@@ -345,58 +325,77 @@ class TokenizerManager:
                     if not w.done():
                         w.set_result(msg)
 
-    def _handle_batch_output(self, batch: BatchStrOut) -> None:
+    def _handle_batch_output(self, batch: BatchOutput) -> None:
         now = time.time()
-        for i, rid in enumerate(batch.rids):
-            state = self.rid_to_state.get(rid)
+        for out in batch.outputs:
+            state = self.rid_to_state.get(out.rid)
             if state is None or state.finished:
                 continue  # aborted or already failed
-            num_new = len(batch.new_token_ids[i])
-            if num_new and state.obj.log_metrics:
-                if state.last_output_time:
-                    self.metrics.observe_tokens(now - state.last_output_time, num_new)
-                else:
-                    self.metrics.observe_first_token(state.received_time, now)
-            if num_new:
-                state.last_output_time = now
-            if batch.queued_times[i]:
-                state.queued_time = batch.queued_times[i]
-            state.text += batch.output_strs[i]
-            state.output_ids.extend(batch.new_token_ids[i])
-            state.prompt_tokens = batch.prompt_tokens[i]
-            state.completion_tokens = batch.completion_tokens[i]
-            state.cached_tokens = batch.cached_tokens[i]
-            if batch.scheduled_times[i]:
-                state.scheduled_time = batch.scheduled_times[i]
-            if batch.first_token_times[i]:
-                state.first_token_time = batch.first_token_times[i]
-            logprobs = batch.output_token_logprobs[i]
-            if logprobs is not None:
-                new_ids = batch.new_token_ids[i]
-                state.output_token_logprobs += [
-                    (lp, tid, self.token_text(tid)) for lp, tid in zip(logprobs, new_ids)
+            self._observe_tokens(state, out, now)
+            state.prompt_tokens = out.prompt_tokens
+            state.completion_tokens = out.completion_tokens
+            state.cached_tokens = out.cached_tokens
+            state.queued_time = out.queued_time or state.queued_time
+            state.scheduled_time = out.scheduled_time or state.scheduled_time
+            state.first_token_time = out.first_token_time or state.first_token_time
+            if out.finish_reason is not None:
+                state.finished_time = now
+            state.push(self._request_output(out, state))
+
+    def _observe_tokens(self, state: ReqState, out: ReqOutput, now: float) -> None:
+        """TTFT and inter-token latency as the client sees them. A request that does not stream
+        gets all its tokens at once: its first token counts when the scheduler made it, the rest
+        spread evenly up to now."""
+        num_new = len(out.new_token_ids)
+        if not num_new or not state.obj.log_metrics:
+            return
+        if state.last_output_time:
+            self.metrics.observe_tokens(now - state.last_output_time, num_new)
+        elif state.obj.stream or not out.first_token_time:
+            self.metrics.observe_first_token(state.received_time, now)
+        else:
+            self.metrics.observe_first_token(state.received_time, out.first_token_time)
+            if num_new > 1:
+                self.metrics.observe_tokens(now - out.first_token_time, num_new - 1)
+        state.last_output_time = now
+
+    def _request_output(self, out: ReqOutput, state: ReqState) -> RequestOutput:
+        """The handler's view of one engine output: logprobs carry their token's text."""
+        result = RequestOutput(
+            rid=out.rid,
+            text=out.text,
+            token_ids=out.new_token_ids,
+            finish_reason=out.finish_reason,
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            cached_tokens=out.cached_tokens,
+        )
+        if out.output_token_logprobs is not None:
+            result.logprobs = [
+                TokenLogprob(lp, tid, self.token_text(tid))
+                for lp, tid in zip(out.output_token_logprobs, out.new_token_ids)
+            ]
+            if out.output_top_logprobs is not None:
+                result.top_logprobs = [self._with_text(top) for top in out.output_top_logprobs]
+        if out.input_token_logprobs is not None and state.obj.logprob_start_len == 0:
+            result.prompt_logprobs = [
+                TokenLogprob(lp, tid, self.token_text(tid))
+                for lp, tid in zip(out.input_token_logprobs, state.input_ids)
+            ]
+            if out.input_top_logprobs is not None:
+                result.prompt_top_logprobs = [
+                    None if top is None else self._with_text(top) for top in out.input_top_logprobs
                 ]
-                tops = batch.output_top_logprobs[i]
-                if tops is not None:
-                    state.output_top_logprobs += [self._with_text(top) for top in tops]
-            input_logprobs = batch.input_token_logprobs[i]
-            if input_logprobs is not None:
-                state.input_token_logprobs = [
-                    (lp, tid, self.token_text(tid))
-                    for lp, tid in zip(input_logprobs, state.input_ids)
-                ]
-                tops_in = batch.input_top_logprobs[i]
-                if tops_in is not None:
-                    state.input_top_logprobs = [
-                        None if top is None else self._with_text(top) for top in tops_in
-                    ]
-            reason = batch.finished_reasons[i]
-            if reason is not None:
-                state.finished = True
-                state.finish_reason = reason
-                state.finished_time = time.time()
-            state.updated = True
-            state.event.set()
+        if out.finish_reason is not None:
+            result.timing = {
+                "received": state.received_time,
+                "tokenized": state.tokenized_time,
+                "queued": state.queued_time,
+                "scheduled": state.scheduled_time,
+                "first_token": state.first_token_time,
+                "finished": state.finished_time,
+            }
+        return result
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text_cache.get(token_id)
@@ -405,32 +404,5 @@ class TokenizerManager:
             self._token_text_cache[token_id] = text
         return text
 
-    def _with_text(self, top: list[tuple[float, int]]) -> list[tuple[float, int, str]]:
-        return [(lp, tid, self.token_text(tid)) for lp, tid in top]
-
-    def _make_output(self, rid: str, state: ReqState) -> dict[str, Any]:
-        meta: dict[str, Any] = {
-            "id": rid,
-            "prompt_tokens": state.prompt_tokens,
-            "completion_tokens": state.completion_tokens,
-            "cached_tokens": state.cached_tokens,
-            "finish_reason": state.finish_reason.to_json() if state.finish_reason else None,
-        }
-        if state.obj.return_logprob:
-            meta["output_token_logprobs"] = list(state.output_token_logprobs)
-            if state.obj.top_logprobs_num > 0:
-                meta["output_top_logprobs"] = list(state.output_top_logprobs)
-            if state.obj.logprob_start_len == 0 and state.input_token_logprobs is not None:
-                meta["input_token_logprobs"] = state.input_token_logprobs
-                if state.obj.top_logprobs_num > 0:
-                    meta["input_top_logprobs"] = state.input_top_logprobs
-        if state.finished:
-            meta["timing"] = {
-                "received": state.received_time,
-                "tokenized": state.tokenized_time,
-                "queued": state.queued_time,
-                "scheduled": state.scheduled_time,
-                "first_token": state.first_token_time,
-                "finished": state.finished_time,
-            }
-        return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
+    def _with_text(self, top: list[tuple[float, int]]) -> list[TokenLogprob]:
+        return [TokenLogprob(lp, tid, self.token_text(tid)) for lp, tid in top]

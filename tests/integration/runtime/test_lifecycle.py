@@ -91,13 +91,23 @@ def ipc_dirs() -> set[str]:
     return set(glob.glob(os.path.join(tempfile.gettempdir(), "berth-ipc-*")))
 
 
+def ipc_dirs_of(pids: list[int]) -> set[str]:
+    """The IPC directories whose sockets these processes hold (other servers may run alongside)."""
+    dirs = set()
+    for pid in pids:
+        for conn in psutil.Process(pid).net_connections(kind="unix"):
+            if conn.laddr and "berth-ipc-" in conn.laddr:
+                dirs.add(os.path.dirname(conn.laddr))
+    return dirs
+
+
 def test_sigterm_drains_in_flight_requests_then_exits_cleanly():
     before = ipc_dirs()
     # Serve the GGUF file directly: another model source.
     gguf = str(embedded_gguf_dir() / BUILTIN_GGUF)
     srv = RunningServer("--model", gguf, "--graceful-shutdown-timeout", "60").wait_ready()
-    ours = ipc_dirs() - before
     children = srv.child_pids()
+    ours = ipc_dirs_of([srv.proc.pid, *children]) & (ipc_dirs() - before)
     titles = {" ".join(psutil.Process(pid).cmdline()).split()[0] for pid in children}
     assert {"berth::scheduler", "berth::detokenizer"} <= titles, titles
     assert len(children) >= 2 and len(ours) == 1

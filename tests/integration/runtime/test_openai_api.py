@@ -200,3 +200,20 @@ def test_info_endpoints(http: httpx.Client):
     load = http.get("/get_load").json()
     assert load["max_total_num_tokens"] > 0
     assert {"num_running_reqs", "num_waiting_reqs", "token_usage"} <= set(load)
+
+
+def test_a_request_pinned_to_another_rank_is_refused(http: httpx.Client):
+    """This server is rank 0 (no --dp-rank): a request pinned elsewhere is refused, not served
+    here as if it had reached the rank it names."""
+    body = {"model": MODEL, "messages": CAPITAL, "max_tokens": 2}
+    for pin in (
+        {"json": {**body, "routed_dp_rank": 1}},
+        {"headers": {"X-Data-Parallel-Rank": "3"}},
+    ):
+        response = http.post("/v1/chat/completions", **{"json": body, **pin})
+        assert response.status_code == 400, response.text
+        error = response.json()
+        assert error["param"] == "routed_dp_rank" and "another rank" in error["message"]
+    native = http.post("/generate", json={"text": "Hi", "routed_dp_rank": 2})
+    assert native.status_code == 400 and native.json()["param"] == "routed_dp_rank"
+    assert http.post("/v1/chat/completions", json={**body, "routed_dp_rank": 0}).status_code == 200

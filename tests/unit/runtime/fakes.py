@@ -23,11 +23,11 @@ from berth_runtime.entrypoints.http_server import add_api_error_handlers
 from berth_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from berth_runtime.entrypoints.serving_chat import OpenAIServingChat
 from berth_runtime.entrypoints.serving_completions import OpenAIServingCompletion
-from berth_runtime.io_struct import GenerateReqInput
+from berth_runtime.io_struct import FinishReason, GenerateReqInput, RequestOutput, TokenLogprob
 
 MODEL = "smollm2"
 REPLY = "The capital of France is Paris."
-STOP = {"type": "stop", "matched": 2}
+STOP = FinishReason("stop", matched_token=2)
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -42,10 +42,11 @@ def scripted_outputs(
     tokenizer: PreTrainedTokenizerBase,
     obj: GenerateReqInput,
     reply: str,
-    finish: dict[str, Any],
+    finish: FinishReason,
     cached_tokens: int,
-) -> list[dict[str, Any]]:
-    """Cumulative output dicts of the TokenizerManager contract: two tokens per step.
+) -> list[RequestOutput]:
+    """The outputs of the TokenizerManager contract for a streaming request: two new tokens a
+    step (a request that does not stream gets them all joined: `whole`).
 
     Token k's logprob is -(k+1)/10; its top alternatives are itself, ids 1000 and 2000 further on,
     and a last one at -inf; prompt logprobs are -1.0 but None for the first prompt token.
@@ -54,38 +55,49 @@ def scripted_outputs(
     reply_ids = tokenizer.encode(reply)
     vocab = len(tokenizer)
 
-    def token(logprob: float | None, token_id: int) -> tuple[float | None, int, str]:
-        return (logprob, token_id, tokenizer.decode([token_id]))
+    def token(logprob: float | None, token_id: int) -> TokenLogprob:
+        return TokenLogprob(logprob, token_id, tokenizer.decode([token_id]))
 
-    def tops(logprob: float, token_id: int) -> list[tuple[float | None, int, str]]:
+    def tops(logprob: float, token_id: int) -> list[TokenLogprob]:
         alternatives = [token(logprob, token_id)]
         alternatives += [token(logprob - r, (token_id + 1000 * r) % vocab) for r in (1, 2)]
         alternatives.append(token(float("-inf"), (token_id + 3000) % vocab))
         return alternatives[: obj.top_logprobs_num]
 
     outputs = []
-    for end in [*range(2, len(reply_ids), 2), len(reply_ids)]:
-        ids = reply_ids[:end]
-        meta: dict[str, Any] = {
-            "id": obj.rid,
-            "prompt_tokens": len(prompt_ids),
-            "completion_tokens": len(ids),
-            "cached_tokens": cached_tokens,
-            "finish_reason": finish if end == len(reply_ids) else None,
-        }
+    ends = [*range(2, len(reply_ids), 2), len(reply_ids)]
+    for start, end in zip([0, *ends], ends):
+        ids = reply_ids[start:end]
+        out = RequestOutput(
+            rid=obj.rid or "",
+            # Text deltas as the detokenizer makes them: what these tokens add to the text.
+            text=tokenizer.decode(reply_ids[:end])[len(tokenizer.decode(reply_ids[:start])) :],
+            token_ids=ids,
+            finish_reason=finish if end == len(reply_ids) else None,
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=end,
+            cached_tokens=cached_tokens,
+        )
         if obj.return_logprob:
-            chosen = [token(-(k + 1) / 10, t) for k, t in enumerate(ids)]
-            meta["output_token_logprobs"] = chosen
+            chosen = [token(-(k + 1) / 10, t) for k, t in enumerate(ids, start)]
+            out.logprobs = chosen
             if obj.top_logprobs_num:
-                meta["output_top_logprobs"] = [tops(lp, t) for lp, t, _ in chosen]
-            if obj.logprob_start_len == 0:
-                meta["input_token_logprobs"] = [
+                out.top_logprobs = [tops(c.logprob, c.token_id) for c in chosen]
+            if obj.logprob_start_len == 0 and start == 0:
+                out.prompt_logprobs = [
                     token(None if k == 0 else -1.0, t) for k, t in enumerate(prompt_ids)
                 ]
                 if obj.top_logprobs_num:
-                    meta["input_top_logprobs"] = [None] + [tops(-1.0, t) for t in prompt_ids[1:]]
-        outputs.append({"text": tokenizer.decode(ids), "output_ids": ids, "meta_info": meta})
+                    out.prompt_top_logprobs = [None] + [tops(-1.0, t) for t in prompt_ids[1:]]
+        outputs.append(out)
     return outputs
+
+
+def whole(outputs: list[RequestOutput]) -> RequestOutput:
+    joined = outputs[0]
+    for out in outputs[1:]:
+        joined = joined.followed_by(out)
+    return joined
 
 
 class FakeTokenizerManager:
@@ -96,7 +108,7 @@ class FakeTokenizerManager:
         self.model_name = MODEL
         self.context_len = 2048
         self.reply: Callable[[GenerateReqInput], str] = lambda obj: REPLY
-        self.finish: dict[str, Any] = STOP
+        self.finish: FinishReason = STOP
         self.cached_tokens: Callable[[GenerateReqInput], int] = lambda obj: 0
         self.reject: dict[str, RequestError] = {}  # rid -> raised before the first output
         self.stall_after: int | None = None  # outputs given before blocking forever
@@ -105,9 +117,7 @@ class FakeTokenizerManager:
         self.ended: list[str] = []  # rids whose generator ran its cleanup to the end
         self.closed_early: list[str] = []  # ... of those, closed before their final output
 
-    async def generate_request(
-        self, obj: GenerateReqInput, raw_request: Request | None = None
-    ) -> AsyncIterator[dict[str, Any]]:
+    async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[RequestOutput]:
         self.received.append(obj)
         assert obj.rid is not None
         if obj.rid in self.reject:
@@ -117,11 +127,11 @@ class FakeTokenizerManager:
         )
         finished = False
         try:
-            for count, out in enumerate(outputs if obj.stream else outputs[-1:]):
+            for count, out in enumerate(outputs if obj.stream else [whole(outputs)]):
                 if count == self.stall_after:
                     await asyncio.Event().wait()
                 await asyncio.sleep(0)
-                finished = out["meta_info"]["finish_reason"] is not None
+                finished = out.finished
                 yield out
         finally:
             for _ in range(self.cleanup_awaits):

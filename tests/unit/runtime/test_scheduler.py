@@ -49,11 +49,19 @@ def make_scheduler(runner=None, **kwargs) -> Scheduler:
     )
 
 
-def req(rid: str, prompt: list[int], **params) -> TokenizedGenerateReqInput:
+def req(rid: str, prompt: list[int], stream: bool = True, **params) -> TokenizedGenerateReqInput:
+    """A greedy request; streaming, so that every step's progress shows in the outputs."""
     params.setdefault("temperature", 0.0)
     return TokenizedGenerateReqInput(
-        rid=rid, input_ids=prompt, sampling_params=SamplingParams(**params).normalized()
+        rid=rid,
+        input_ids=prompt,
+        sampling_params=SamplingParams(**params).normalized(),
+        stream=stream,
     )
+
+
+def rids(out) -> list[str]:
+    return [o.rid for o in out.outputs]
 
 
 def run_to_idle(s: Scheduler, max_steps: int = 1000) -> dict[str, list]:
@@ -65,7 +73,8 @@ def run_to_idle(s: Scheduler, max_steps: int = 1000) -> dict[str, list]:
         out = s.step()
         if out is None:
             continue
-        for rid, ids, fin in zip(out.rids, out.new_token_ids, out.finished_reasons):
+        for o in out.outputs:
+            rid, ids, fin = o.rid, o.new_token_ids, o.finish_reason
             entry = outputs.setdefault(rid, [[], None])
             entry[0] += ids
             if fin is not None:
@@ -219,7 +228,7 @@ def test_priority_policy_admits_higher_priority_first():
     s.handle_generate(low)
     s.handle_generate(high)
     first = s.step()
-    assert first is not None and first.rids == ["high"]
+    assert first is not None and rids(first) == ["high"]
 
 
 def test_stats_account_tokens():
@@ -243,9 +252,9 @@ def test_repeated_prompt_reuses_the_cached_prefix_with_identical_output():
     first = run_to_idle(s)["first"][0]
     s.handle_generate(req("second", prompt, max_new_tokens=4))
     out = s.step()
-    assert out is not None and out.cached_tokens == [len(prompt) - 1]
+    assert out is not None and [o.cached_tokens for o in out.outputs] == [len(prompt) - 1]
     assert runner.batches[-1][2] == 1  # only the last prompt token was computed
-    second = out.new_token_ids[0] + run_to_idle(s)["second"][0]
+    second = out.outputs[0].new_token_ids + run_to_idle(s)["second"][0]
     assert second == first
     assert s.get_stats().cache_hit_rate > 0.4
     assert_all_memory_free(s)
@@ -290,7 +299,7 @@ def test_lpm_policy_prefers_the_longest_cached_prefix():
     s.handle_generate(req("cold", [3] * 20, max_new_tokens=1))
     s.handle_generate(req("hot", [9] * 20, max_new_tokens=1))
     first = s.step()
-    assert first is not None and first.rids == ["hot"]
+    assert first is not None and rids(first) == ["hot"]
 
 
 def test_a_running_request_shares_its_prompt_with_requests_arriving_later():
@@ -327,7 +336,7 @@ def fill_batch_then_arrive(policy: str, high_priority: int, **kwargs):
     def step():
         out = s.step()
         if out is not None:
-            for rid, ids, fin in zip(out.rids, out.new_token_ids, out.finished_reasons):
+            for rid, ids, fin in ((o.rid, o.new_token_ids, o.finish_reason) for o in out.outputs):
                 entry = outputs.setdefault(rid, [[], None])
                 entry[0] += ids
                 if fin is not None:
@@ -347,7 +356,7 @@ def test_priority_preempts_the_lowest_newest_running_request_and_loses_nothing()
     s, outputs, step = fill_batch_then_arrive("priority", 5)
     kept = len(outputs["new"][0])
     out = step()
-    assert out is not None and out.rids == ["high"]  # scheduled at once
+    assert out is not None and rids(out) == ["high"]  # scheduled at once
     assert [r.rid for r in s.policy.running] == ["old", "high"]
     victim = next(r for r in s.policy.waiting if r.rid == "new")
     assert len(victim.output_ids) == kept > 0 and victim.req_row is None
@@ -367,10 +376,12 @@ def test_priority_preempts_when_kv_memory_is_short():
     first = [s.step(), s.step()]
     s.handle_generate(preq("high", [2] * 20, 1, max_new_tokens=8))
     out = s.step()
-    assert out is not None and out.rids == ["high"]  # 48 slots do not hold both: "low" yields
+    assert out is not None and rids(out) == ["high"]  # 48 slots do not hold both: "low" yields
     assert [r.rid for r in s.policy.waiting] == ["low"]
     outputs = run_to_idle(s)
-    low = [t for o in first if o is not None for t in o.new_token_ids[0]] + outputs["low"][0]
+    low = [t for o in first if o is not None for t in o.outputs[0].new_token_ids] + outputs["low"][
+        0
+    ]
     assert outputs["low"][1].type == "length"
     assert low == run_alone("low", [1] * 20, 20)
     assert_all_memory_free(s)
@@ -379,7 +390,7 @@ def test_priority_preempts_when_kv_memory_is_short():
 def test_equal_priority_never_preempts():
     s, outputs, step = fill_batch_then_arrive("priority", 0)
     out = step()
-    assert out is not None and "high" not in out.rids
+    assert out is not None and "high" not in rids(out)
     assert [r.rid for r in s.policy.running] == ["old", "new"]
     assert [r.rid for r in s.policy.waiting] == ["high"]
 
@@ -388,7 +399,7 @@ def test_fcfs_and_lpm_never_preempt():
     for policy in ("fcfs", "lpm"):
         s, outputs, step = fill_batch_then_arrive(policy, 5)
         out = step()
-        assert out is not None and "high" not in out.rids, policy
+        assert out is not None and "high" not in rids(out), policy
         assert [r.rid for r in s.policy.running] == ["old", "new"], policy
 
 
@@ -425,3 +436,21 @@ def test_decode_after_a_decode_that_did_not_match_stays_uncached():
     run_to_idle(s)
     assert s.kv.tree is not None and s.kv.tree.total_size == 3
     assert_all_memory_free(s)
+
+
+def test_a_request_that_does_not_stream_is_sent_once_when_it_finishes():
+    """Nothing reads a non-streaming request's partial output: it is neither detokenized nor
+    sent until it finishes, and then it carries every token."""
+    s = make_scheduler()
+    s.handle_generate(req("quiet", [1, 2, 3], stream=False, max_new_tokens=4))
+    s.handle_generate(req("loud", [7, 8, 9], max_new_tokens=4))
+    sent = []
+    while not s.is_idle:
+        out = s.step()
+        if out is not None:
+            sent.append(out.outputs)
+    quiet = [o for step in sent for o in step if o.rid == "quiet"]
+    loud = [o for step in sent for o in step if o.rid == "loud"]
+    assert len(quiet) == 1 and quiet[0].new_token_ids == [4, 5, 6, 7]
+    assert quiet[0].finish_reason is not None and quiet[0].completion_tokens == 4
+    assert len(loud) == 4 and [t for o in loud for t in o.new_token_ids] == [10, 11, 12, 13]

@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from berth_common.errors import RequestError
 from berth_runtime.entrypoints.protocol import ChatCompletionRequest
 from berth_runtime.entrypoints.serving_chat import OpenAIServingChat
+from berth_runtime.io_struct import FinishReason
 from berth_runtime.sampling_params import SamplingParams
 from tests.unit.runtime.fakes import (
     MODEL,
@@ -101,7 +102,7 @@ async def test_every_field_maps_onto_the_generate_request(
         3,
     )
     assert obj.logprob_start_len == -1
-    assert (obj.routed_dp_rank, obj.priority, obj.routing_key) == (1, 5, "tenant-a")
+    assert (obj.routed_dp_rank, obj.priority) == (1, 5)
 
 
 async def test_defaults_leave_the_budget_to_the_context_limit(
@@ -115,7 +116,7 @@ async def test_defaults_leave_the_budget_to_the_context_limit(
     assert first.sampling_params == SamplingParams(max_new_tokens=9)
     assert second.sampling_params == SamplingParams(stop=["END"], top_k=-1)
     assert len(second.rid) == 32 and not second.return_logprob
-    assert (second.routed_dp_rank, second.priority, second.routing_key) == (None, None, None)
+    assert (second.routed_dp_rank, second.priority) == (None, None)
 
 
 async def test_text_parts_and_roles_go_through_the_chat_template(
@@ -183,7 +184,7 @@ async def test_n_without_seed_leaves_seeds_unset(
 # --- routing signals ----------------------------------------------------------------------------
 
 
-async def test_routing_headers_fill_in_what_the_body_does_not_set(
+async def test_the_rank_header_fills_in_what_the_body_does_not_set(
     http: httpx.AsyncClient, tm: FakeTokenizerManager
 ) -> None:
     headers = {"X-Data-Parallel-Rank": "3", "X-Routing-Key": "session-9"}
@@ -193,10 +194,7 @@ async def test_routing_headers_fill_in_what_the_body_does_not_set(
         json={"messages": USER, "routed_dp_rank": 0, "routing_key": "body"},
         headers=headers,
     )
-    assert [(o.routed_dp_rank, o.routing_key) for o in tm.received] == [
-        (3, "session-9"),
-        (0, "body"),
-    ]
+    assert [o.routed_dp_rank for o in tm.received] == [3, 0]
 
 
 @pytest.mark.parametrize("rank", ["abc", "-1", "1.5"])
@@ -271,7 +269,7 @@ async def test_one_rejected_choice_aborts_the_others(
 async def test_an_aborted_request_is_an_error_with_the_abort_status(
     http: httpx.AsyncClient, tm: FakeTokenizerManager, sdk: AsyncOpenAI
 ) -> None:
-    tm.finish = {"type": "abort", "message": "engine died", "status_code": 500}
+    tm.finish = FinishReason("abort", message="engine died", status_code=500)
     response = await post_chat(http)
     assert response.status_code == 500
     assert response.json()["message"] == "engine died"
@@ -283,7 +281,7 @@ async def test_an_abort_in_the_first_output_is_a_plain_http_error_even_when_stre
     http: httpx.AsyncClient, tm: FakeTokenizerManager
 ) -> None:
     tm.reply = lambda obj: ""
-    tm.finish = {"type": "abort", "message": "The request queue is full.", "status_code": 503}
+    tm.finish = FinishReason("abort", message="The request queue is full.", status_code=503)
     response = await post_chat(http, stream=True, n=2)
     assert response.status_code == 503
     assert response.json()["message"] == "The request queue is full."
@@ -292,7 +290,7 @@ async def test_an_abort_in_the_first_output_is_a_plain_http_error_even_when_stre
 async def test_an_abort_mid_stream_is_an_error_event_then_done(
     http: httpx.AsyncClient, tm: FakeTokenizerManager, sdk: AsyncOpenAI
 ) -> None:
-    tm.finish = {"type": "abort", "message": "aborted by request", "status_code": 499}
+    tm.finish = FinishReason("abort", message="aborted by request", status_code=499)
     response = await post_chat(http, stream=True)
     assert response.status_code == 200
     events = sse_events(response.text)
@@ -319,7 +317,7 @@ async def test_an_abort_mid_stream_is_an_error_event_then_done(
 async def test_a_length_finish_is_reported(
     http: httpx.AsyncClient, tm: FakeTokenizerManager
 ) -> None:
-    tm.finish = {"type": "length"}
+    tm.finish = FinishReason("length")
     body = (await post_chat(http, max_tokens=8)).json()
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["object"] == "chat.completion" and body["system_fingerprint"] is None

@@ -9,6 +9,7 @@ import pytest
 from openai import AsyncOpenAI
 from transformers import PreTrainedTokenizerBase
 
+from berth_runtime.io_struct import FinishReason
 from berth_runtime.sampling_params import SamplingParams
 from tests.unit.runtime.fakes import (
     MODEL,
@@ -135,7 +136,7 @@ async def test_max_tokens_zero_with_echo_returns_just_the_prompt(
     http: httpx.AsyncClient, tm: FakeTokenizerManager
 ) -> None:
     tm.reply = lambda obj: ""
-    tm.finish = {"type": "length"}
+    tm.finish = FinishReason("length")
     body = (await complete(http, echo=True, max_tokens=0, logprobs=0)).json()
     assert tm.received[0].sampling_params.max_new_tokens == 0
     [choice] = body["choices"]
