@@ -66,9 +66,6 @@ RUN uv pip install \
 COPY pyproject.toml README.md /src/
 COPY common /src/common
 COPY runtime /src/runtime
-# The operator still runs its router Deployments on the runtime image (`berth router`): the router
-# package stays here until the operator deploys the router image instead.
-COPY router /src/router
 RUN uv pip install --no-deps /src
 # CPU: prebuild Berth's C++ CPU kernels for every SIMD level (AVX-512, AVX2, plain), so that pods
 # need no compiler; the runtime picks the one for the CPU it lands on from $BERTH_KERNELS_DIR.

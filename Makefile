@@ -49,6 +49,10 @@ fmt: install ## Format the code
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+.PHONY: crds
+crds: install ## Write crds/ from the spec classes in operator/berth_operator/spec/ (a test fails if it is stale)
+	$(BIN)/python -m berth_operator.crd crds
+
 .PHONY: clean
 clean: ## Remove the virtualenv and caches
 	rm -rf $(VENV) .pytest_cache .ruff_cache

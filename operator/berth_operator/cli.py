@@ -20,7 +20,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "render":
-        return render(args.files, args.runtime_image, args.namespace, sys.stdout, sys.stderr)
+        return render(
+            args.files,
+            args.runtime_image,
+            args.namespace,
+            sys.stdout,
+            sys.stderr,
+            router_image=args.router_image,
+        )
     return run(args)
 
 
@@ -121,10 +128,22 @@ def _image_arg(parser: argparse.ArgumentParser) -> None:
         help="Runtime image for InferenceServices that do not set spec.runtime.image "
         f"(default: {c.DEFAULT_RUNTIME_IMAGE})",
     )
+    parser.add_argument(
+        "--router-image",
+        default=c.DEFAULT_ROUTER_IMAGE,
+        metavar="IMAGE",
+        help=f"Image of every router Deployment (default: {c.DEFAULT_ROUTER_IMAGE})",
+    )
 
 
 def render(
-    files: Iterable[str], default_image: str, namespace: str | None, out: TextIO, err: TextIO
+    files: Iterable[str],
+    default_image: str,
+    namespace: str | None,
+    out: TextIO,
+    err: TextIO,
+    *,
+    router_image: str = c.DEFAULT_ROUTER_IMAGE,
 ) -> int:
     """Write the children of every InferenceService in `files` as one YAML stream; 1 on errors."""
     children: list[dict[str, Any]] = []
@@ -145,7 +164,9 @@ def render(
             if namespace and not (doc.get("metadata") or {}).get("namespace"):
                 doc = {**doc, "metadata": {**(doc.get("metadata") or {}), "namespace": namespace}}
             try:
-                isvc = InferenceService.from_body(doc, default_image=default_image)
+                isvc = InferenceService.from_body(
+                    doc, default_image=default_image, router_image=router_image
+                )
             except SpecError as e:
                 name = (doc.get("metadata") or {}).get("name", "?")
                 err.write(f"error: {path}: {c.KIND} {name}: invalid spec:\n")
@@ -189,6 +210,10 @@ def run(args: argparse.Namespace) -> int:
         clusterwide=not namespaces,
         namespaces=namespaces,
         liveness_endpoint=args.liveness,
-        memo=kopf.Memo(default_image=args.runtime_image, observe_interval=args.observe_interval),
+        memo=kopf.Memo(
+            default_image=args.runtime_image,
+            router_image=args.router_image,
+            observe_interval=args.observe_interval,
+        ),
     )
     return 0

@@ -21,6 +21,8 @@ FIELD_MANAGER: Final = "berth-operator"
 ROUTER_CLUSTER_ROLE: Final = "berth-router"
 
 DEFAULT_RUNTIME_IMAGE: Final = f"ghcr.io/berth-dev/berth-runtime:{__version__}"
+# Routers run their own image (the Dockerfile's router stage): no torch, no model.
+DEFAULT_ROUTER_IMAGE: Final = f"ghcr.io/berth-dev/berth-router:{__version__}"
 OPERATOR_IMAGE: Final = f"ghcr.io/berth-dev/berth-operator:{__version__}"
 
 # Labels on every child. The selector labels never change for the life of an InferenceService.

@@ -4,6 +4,15 @@ Every handler records one event and wakes the worker (`worker.Worker`), which ap
 scrapes and reports. They are all `@kopf.on.event` handlers: kopf keeps no state of its own on the
 objects (no progress or diff-base annotations, no finalizers), so the operator writes nothing on
 an InferenceService but its status. Importing this module registers the handlers with kopf.
+
+Why each worker is an asyncio task of ours and not a `@kopf.daemon` or `@kopf.timer`: kopf
+registers both with `requires_finalizer=True` (kopf/on.py), so every InferenceService would carry
+kopf's finalizer. Deleting one would then hang for as long as the operator is down or lacks rights,
+`kubectl delete` and Argo CD prunes would wait on it, and the operator would need update rights on
+InferenceServices themselves, not only on their status. Children are owned by the InferenceService
+and go with it through garbage collection, so there is nothing a finalizer would protect. The
+worker's lifecycle is the daemon's without the finalizer: started on the first event for its
+object, ended by its DELETED event (`Worker.seen_service`) and stopped at cleanup (`close`).
 """
 
 from __future__ import annotations
@@ -109,6 +118,7 @@ def _worker(memo: kopf.Memo, namespace: str, name: str) -> Worker:
             name,
             kube=memo.kube,
             default_image=memo.default_image,
+            router_image=memo.router_image,
             observe_interval=memo.observe_interval,
             registry=memo.workers,
         )

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from berth_operator import autoscale, health
-from berth_operator.builders import RankPlan
+from berth_operator.plan import RankPlan
 from berth_operator.scrape import RankSample
 from berth_operator.spec import InferenceService
 from berth_operator.status import Live

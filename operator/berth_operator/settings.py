@@ -33,6 +33,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         memo.kube = Kube.from_environment()
     if getattr(memo, "default_image", None) is None:
         memo.default_image = c.DEFAULT_RUNTIME_IMAGE
+    if getattr(memo, "router_image", None) is None:
+        memo.router_image = c.DEFAULT_ROUTER_IMAGE
     if getattr(memo, "observe_interval", None) is None:
         memo.observe_interval = c.OBSERVE_INTERVAL_SECONDS
     memo.workers = {}

@@ -2,6 +2,9 @@
 
 The functions that compute a status are pure (the clock is an argument); `publish` is the only
 writer of `.status` and writes nothing when nothing changed, so a resync is a no-op.
+
+Over 400 lines because every condition (Ready, Reconciling, Stalled, Degraded) is derived from the
+same observed children in one pass; split up, each would re-derive the rollout state.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from berth_operator import builders
 from berth_operator import constants as c
+from berth_operator import naming
+from berth_operator.plan import RankPlan
 from berth_operator.spec import InferenceService
 
 if TYPE_CHECKING:
@@ -219,7 +223,7 @@ def compute(
     *,
     generation: int | None,
     now: str,
-    plan: builders.RankPlan | None = None,
+    plan: RankPlan | None = None,
     live: Live | None = None,
     missing: Sequence[str] = (),
 ) -> dict[str, Any]:
@@ -234,7 +238,7 @@ def compute(
     previous = previous or {}
     old_conditions = previous.get("conditions") or []
     spec = isvc.spec
-    plan = plan or builders.RankPlan.of(isvc)
+    plan = plan or RankPlan.of(isvc)
     desired = live.desired if live is not None else plan.pods
     ranks = rollout(observed.statefulset, plan.pods)
     router = (
@@ -243,7 +247,7 @@ def compute(
         else None
     )
     problems = pod_problems(observed.pods)
-    url = builders.ingress_url(isvc, _load_balancer_address(observed.ingress))
+    url = naming.ingress_url(isvc, _load_balancer_address(observed.ingress))
 
     def cond(type_: str, status: bool, reason: str, message: str) -> dict[str, Any]:
         return condition(
@@ -276,7 +280,7 @@ def compute(
         ready = cond(READY, True, "ScaledToZero", "spec.replicas is 0: no rank serves requests")
     else:
         ready = cond(
-            READY, True, "Ready", f"{summary}; serving at {url or builders.cluster_url(isvc)}"
+            READY, True, "Ready", f"{summary}; serving at {url or naming.cluster_url(isvc)}"
         )
 
     converged = ranks.complete and (router is None or router.complete)
@@ -316,14 +320,14 @@ def compute(
         "conditions": _merge_conditions(
             [ready, reconciling, stalled_condition, degraded], old_conditions
         ),
-        "url": url or builders.cluster_url(isvc),
-        "clusterURL": builders.cluster_url(isvc),
+        "url": url or naming.cluster_url(isvc),
+        "clusterURL": naming.cluster_url(isvc),
         "replicas": ranks.current,
         "readyReplicas": ranks.ready,
         "desiredReplicas": desired,
         "readyRanks": f"{ready_ranks}/{desired}",
         "routerReadyReplicas": router.ready if router else 0,
-        "selector": builders.label_selector(builders.selector_labels(isvc.name, c.ROLE_RANK)),
+        "selector": naming.label_selector(naming.selector_labels(isvc.name, c.ROLE_RANK)),
     }
     if live is not None:
         status.update(

@@ -17,6 +17,9 @@ A step:
 Failures: the API server failing is retried with backoff (1 s doubling to 60 s); a lost race
 (409) at once; a refusal someone must act on (Forbidden, NameConflict) now and then (5 s
 doubling to 5 min); an invalid spec or child not until the spec changes.
+
+Over 400 lines because applying, retrying and observing share one state (what was applied, at
+which versions, what failed and when to retry); it is one state machine, kept in one place.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ from typing import Any
 import httpx
 import kopf
 
-from berth_operator import builders, children, k8s, metrics, scrape, status
+from berth_operator import builders, children, k8s, metrics, naming, scrape, status
 from berth_operator import constants as c
 from berth_operator.children import ApplyFailure, ChildKey
 from berth_operator.observer import Event, RankObserver
+from berth_operator.plan import RankPlan
 from berth_operator.spec import InferenceService, SpecError
 
 logger = logging.getLogger(__name__)
@@ -68,6 +72,7 @@ class Worker:
     kube: k8s.Kube
     default_image: str
     observe_interval: float
+    router_image: str = c.DEFAULT_ROUTER_IMAGE
     body: dict[str, Any] | None = None
     children: dict[ChildKey, dict[str, Any]] = field(default_factory=dict)
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -210,7 +215,9 @@ class Worker:
             return
         generation = (body.get("metadata") or {}).get("generation")
         try:
-            isvc = InferenceService.from_body(body, default_image=self.default_image)
+            isvc = InferenceService.from_body(
+                body, default_image=self.default_image, router_image=self.router_image
+            )
         except SpecError as e:
             self.next_scrape = time.monotonic() + self.observe_interval  # nothing to scrape
             failure = self.failure
@@ -230,7 +237,7 @@ class Worker:
             return  # its status says why; running children stay as they are
         await self._refresh(isvc, plan)
 
-    def _apply_due(self, generation: int | None, plan: builders.RankPlan, now: float) -> bool:
+    def _apply_due(self, generation: int | None, plan: RankPlan, now: float) -> bool:
         failure = self.failure
         if failure is not None and failure.generation == generation:
             return now >= failure.retry_at
@@ -244,7 +251,7 @@ class Worker:
     # --- apply ---------------------------------------------------------------------------------
 
     async def _reconcile(
-        self, isvc: InferenceService, plan: builders.RankPlan, generation: int | None
+        self, isvc: InferenceService, plan: RankPlan, generation: int | None
     ) -> None:
         first = generation != self.applied_generation
         built = builders.build_children(isvc, plan)
@@ -373,15 +380,15 @@ class Worker:
                 metrics.STALLS.labels(self.namespace, self.name).inc()
             _post(self.body or {}, event.type, event.reason, event.message)
 
-    async def _refresh(self, isvc: InferenceService, plan: builders.RankPlan) -> None:
+    async def _refresh(self, isvc: InferenceService, plan: RankPlan) -> None:
         if self.applied_generation is None:
             return  # nothing applied by this process yet
         name = isvc.name
         spec = isvc.spec
         observed = status.Observed(
-            statefulset=self.children.get(("StatefulSet", builders.rank_statefulset_name(name))),
+            statefulset=self.children.get(("StatefulSet", naming.rank_statefulset_name(name))),
             router=(
-                self.children.get(("Deployment", builders.router_name(name)))
+                self.children.get(("Deployment", naming.router_name(name)))
                 if spec.has_router
                 else None
             ),

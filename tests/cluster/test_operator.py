@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from berth_operator import builders
+from berth_operator import builders, naming
 from berth_operator import constants as c
 from berth_operator.spec import InferenceService
 from berth_router.discovery import EndpointSliceDiscovery, KubeConfig
@@ -431,7 +431,7 @@ def test_objects_it_does_not_own_are_never_adopted_or_overwritten(
     lookalike = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": "a-extra", "labels": builders.labels("a", c.ROLE_RANK)},
+        "metadata": {"name": "a-extra", "labels": naming.labels("a", c.ROLE_RANK)},
         "spec": {"selector": {"app": "x"}, "ports": [{"name": "http", "port": 80}]},
     }
     apply(plane, ns, lookalike)
@@ -487,8 +487,8 @@ def test_kubectl_scale_and_an_hpa_go_through_the_scale_subresource(
         ).stdout
     )
     assert scale["spec"]["replicas"] == 3 and scale["status"]["replicas"] == 3
-    assert scale["status"]["selector"] == builders.label_selector(
-        builders.selector_labels(name, c.ROLE_RANK)
+    assert scale["status"]["selector"] == naming.label_selector(
+        naming.selector_labels(name, c.ROLE_RANK)
     )
 
     # An HPA aimed at the InferenceService: accepted, and the HPA controller scales it through

@@ -5,6 +5,7 @@ Opt-in: `pytest --run-e2e tests/e2e` with kubectl pointing at a disposable clust
 
     BERTH_E2E_OPERATOR_IMAGE  default ghcr.io/berth-dev/berth-operator:<version>
     BERTH_E2E_RUNTIME_IMAGE   default ghcr.io/berth-dev/berth-runtime:<version>-cpu
+    BERTH_E2E_ROUTER_IMAGE    default ghcr.io/berth-dev/berth-router:<version>
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ OPERATOR_IMAGE = os.environ.get(
 )
 RUNTIME_IMAGE = os.environ.get(
     "BERTH_E2E_RUNTIME_IMAGE", f"ghcr.io/berth-dev/berth-runtime:{__version__}-cpu"
+)
+ROUTER_IMAGE = os.environ.get(
+    "BERTH_E2E_ROUTER_IMAGE", f"ghcr.io/berth-dev/berth-router:{__version__}"
 )
 
 
@@ -71,6 +75,7 @@ def installed() -> Iterator[None]:
             container = doc["spec"]["template"]["spec"]["containers"][0]
             container["image"] = OPERATOR_IMAGE
             container["args"].append(f"--runtime-image={RUNTIME_IMAGE}")
+            container["args"].append(f"--router-image={ROUTER_IMAGE}")
     kubectl("apply", "--server-side", "-f", "-", stdin=yaml.safe_dump_all(docs))
     kubectl(
         "wait",

@@ -1,4 +1,7 @@
-"""Llama-family decoder (Llama, SmolLM, Mistral, Qwen2) reading its KV cache from the token pool."""
+"""Llama-family decoder (Llama, SmolLM, Mistral, Qwen2) reading its KV cache from the token pool.
+
+Over 400 lines because the projections' three paths (oneDNN rows, 4-bit GGUF, exact fp32 logits)
+belong to the layers that choose between them at each step."""
 
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ import kopf
 import pytest
 
 import berth_operator.handlers  # noqa: F401  (registers the handlers with kopf)
-from berth_operator import builders
 from berth_operator import constants as c
+from berth_operator import naming
 from berth_operator.k8s import Kube
 
 
@@ -257,7 +257,7 @@ async def mark_ready(cluster: Cluster, name: str, ranks: int, routers: int = 1) 
         await cluster.patch_status(
             DEPLOY,
             NS,
-            builders.router_name(name),
+            naming.router_name(name),
             {"replicas": routers, "readyReplicas": routers, "updatedReplicas": routers},
         )
 

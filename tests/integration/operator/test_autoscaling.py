@@ -20,9 +20,9 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from berth_operator import builders
 from berth_operator import constants as c
 from berth_operator import metrics as operator_metrics
+from berth_operator import naming
 from tests.helpers import RunningServer, embedded_model_dir, running_servers, scheduler_process
 from tests.unit.operator.factories import role_rules
 
@@ -68,7 +68,7 @@ async def create_rank_pod(
     cluster: Cluster, name: str, rank: int, server: RunningServer, uid: str
 ) -> None:
     """What the StatefulSet controller and the kubelet would make: a ready pod for `rank`."""
-    pod_name = builders.rank_pod_name(name, rank)
+    pod_name = naming.rank_pod_name(name, rank)
     await cluster.create(
         {
             "apiVersion": "v1",
@@ -78,7 +78,7 @@ async def create_rank_pod(
                 "namespace": NS,
                 "uid": uid,
                 "labels": {
-                    **builders.labels(name, c.ROLE_RANK),
+                    **naming.labels(name, c.ROLE_RANK),
                     c.POD_INDEX_LABEL: str(rank),
                     c.POD_NAME_LABEL: pod_name,
                 },
@@ -141,7 +141,7 @@ async def generate(
 
 
 def sts_replicas(cluster: Cluster, name: str) -> int | None:
-    sts = cluster.get(STS, NS, builders.rank_statefulset_name(name))
+    sts = cluster.get(STS, NS, naming.rank_statefulset_name(name))
     return sts["spec"]["replicas"] if sts else None
 
 
@@ -152,7 +152,7 @@ async def start_ranks(
     rank, each on its server; then wait until the operator reports every rank Serving."""
     count = len(servers)
     await eventually(lambda: sts_replicas(cluster, name) == count, what=f"{count} ranks")
-    await eventually(lambda: cluster.get(DEPLOY, NS, builders.router_name(name)), what="the router")
+    await eventually(lambda: cluster.get(DEPLOY, NS, naming.router_name(name)), what="the router")
     for rank, server in enumerate(servers):
         await create_rank_pod(cluster, name, rank, server, uid=f"{uid_prefix}-{rank}")
     await mark_ready(cluster, name, ranks=count)

@@ -7,10 +7,12 @@ from typing import Any
 
 import pytest
 
-from berth_operator import builders
+from berth_operator import builders, naming
 from berth_operator import constants as c
-from berth_operator import spec as spec_module
+from berth_operator.builders import network, rank_pods, rank_services, router
+from berth_operator.plan import RankPlan, rank_urls
 from berth_operator.spec import InferenceService
+from berth_operator.spec.runtime import MANAGED_ENV
 from berth_router.args import RouterArgs
 from berth_router.discovery import parse_selector, selector_matches
 from berth_router.server import build_parser as build_router_parser
@@ -29,7 +31,7 @@ def one(children: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
 
 
 def rank_container(isvc: InferenceService) -> dict[str, Any]:
-    pod = builders.build_rank_statefulset(isvc)["spec"]["template"]["spec"]
+    pod = rank_pods.build_rank_statefulset(isvc)["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     return container
 
@@ -92,7 +94,7 @@ def test_every_child_is_owned_labelled_and_namespaced() -> None:
             }
         ]
         labels = meta["labels"]
-        for key, value in builders.owned_labels("chat").items():
+        for key, value in naming.owned_labels("chat").items():
             assert labels[key] == value
         assert labels["app.kubernetes.io/name"] == "berth"
         # Argo CD's default tracking label: on a child it reads as "prune me".
@@ -128,12 +130,14 @@ def test_minimal_spec_has_no_ingress_and_one_rank_service() -> None:
 
 
 def test_statefulset_selector_matches_its_pods_and_is_stable() -> None:
-    sts = builders.build_rank_statefulset(parse(FULL_SPEC))
+    sts = rank_pods.build_rank_statefulset(parse(FULL_SPEC))
     selector = sts["spec"]["selector"]["matchLabels"]
     template_labels = sts["spec"]["template"]["metadata"]["labels"]
     assert selector.items() <= template_labels.items()
     # The selector is immutable in Kubernetes: it must not depend on anything but the name.
-    assert selector == builders.build_rank_statefulset(parse({}))["spec"]["selector"]["matchLabels"]
+    assert (
+        selector == rank_pods.build_rank_statefulset(parse({}))["spec"]["selector"]["matchLabels"]
+    )
     assert sts["spec"]["serviceName"] == "chat-ranks"
     assert sts["spec"]["podManagementPolicy"] == "Parallel"
     assert template_labels[c.LABEL_ENGINE_TYPE] == "sglang"
@@ -141,8 +145,8 @@ def test_statefulset_selector_matches_its_pods_and_is_stable() -> None:
 
 def test_replicas_are_the_ranks() -> None:
     isvc = parse({"replicas": 3, "autoscaling": {"enabled": True, "maxReplicas": 2}})
-    assert builders.build_rank_statefulset(isvc)["spec"]["replicas"] == 2
-    assert len(builders.build_rank_services(isvc)) == 2
+    assert rank_pods.build_rank_statefulset(isvc)["spec"]["replicas"] == 2
+    assert len(rank_services.build_rank_services(isvc)) == 2
 
 
 def test_rank_comes_from_the_pod_index_label_and_is_passed_as_an_expanded_variable() -> None:
@@ -226,8 +230,8 @@ def test_api_key_comes_from_the_secret_as_env_never_as_an_argument() -> None:
         "secretKeyRef": {"name": "chat-key", "key": "api-key"}
     }
     assert not any("api-key" in a for a in container["args"])
-    router = builders.build_router_deployment(isvc)["spec"]["template"]["spec"]["containers"][0]
-    assert env_of(router)[c.ENV_API_KEY]["valueFrom"]["secretKeyRef"]["name"] == "chat-key"
+    routing = router.build_router_deployment(isvc)["spec"]["template"]["spec"]["containers"][0]
+    assert env_of(routing)[c.ENV_API_KEY]["valueFrom"]["secretKeyRef"]["name"] == "chat-key"
     assert c.ENV_API_KEY not in env_of(rank_container(parse({})))
 
 
@@ -237,7 +241,7 @@ def test_gpu_limits_shared_memory_and_memory_limit() -> None:
     assert res["limits"]["amd.com/gpu"] == "2" and res["requests"]["amd.com/gpu"] == "2"
     assert res["requests"] == {"cpu": "8", "memory": "64Gi", "amd.com/gpu": "2"}
     assert res["limits"] == {"memory": "80Gi", "cpu": "16", "amd.com/gpu": "2"}
-    pod = builders.build_rank_statefulset(isvc)["spec"]["template"]["spec"]
+    pod = rank_pods.build_rank_statefulset(isvc)["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
     mounts = {m["name"]: m["mountPath"] for m in rank_container(isvc)["volumeMounts"]}
@@ -292,23 +296,23 @@ def test_probes_use_health_and_the_startup_budget_grows_with_the_model() -> None
 
 def test_graceful_drain_pre_stop_and_termination_grace() -> None:
     isvc = parse({"runtime": {"gracefulShutdownSeconds": 90, "preStopSleepSeconds": 12}})
-    pod = builders.build_rank_statefulset(isvc)["spec"]["template"]["spec"]
+    pod = rank_pods.build_rank_statefulset(isvc)["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "12"]
-    assert pod["terminationGracePeriodSeconds"] == 12 + 90 + builders.TERMINATION_MARGIN_SECONDS
+    assert pod["terminationGracePeriodSeconds"] == 12 + 90 + rank_pods.TERMINATION_MARGIN_SECONDS
     assert parse_server_args(container["args"]).graceful_shutdown_timeout == 90
-    router_pod = builders.build_router_deployment(isvc)["spec"]["template"]["spec"]
+    router_pod = router.build_router_deployment(isvc)["spec"]["template"]["spec"]
     assert router_pod["terminationGracePeriodSeconds"] == pod["terminationGracePeriodSeconds"]
 
 
 def test_hf_model_downloads_in_an_init_container_into_the_model_volume() -> None:
     isvc = parse(FULL_SPEC)
-    pod = builders.build_rank_statefulset(isvc)["spec"]["template"]["spec"]
+    pod = rank_pods.build_rank_statefulset(isvc)["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
     assert init["command"][:3] == ["hf", "download", "meta-llama/Llama-3.1-8B-Instruct"]
     command = init["command"]
     assert command[command.index("--revision") + 1] == "v1.0"
-    assert command[command.index("--local-dir") + 1] == builders.hf_download_dir(isvc.spec)
+    assert command[command.index("--local-dir") + 1] == rank_pods.hf_download_dir(isvc.spec)
     assert "original/*" in command  # Llama repos carry a second copy of the weights
     assert env_of(init)["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {
         "name": "hf-token",
@@ -329,7 +333,7 @@ def test_hf_model_downloads_in_an_init_container_into_the_model_volume() -> None
 
 def test_hf_single_file_download_names_the_file_and_uses_an_empty_dir() -> None:
     isvc = parse({"model": {"uri": "hf://org/repo/q4.gguf", "cache": {"sizeLimit": "5Gi"}}})
-    pod = builders.build_rank_statefulset(isvc)["spec"]["template"]["spec"]
+    pod = rank_pods.build_rank_statefulset(isvc)["spec"]["template"]["spec"]
     command = pod["initContainers"][0]["command"]
     assert command[:4] == ["hf", "download", "org/repo", "q4.gguf"]
     assert "--exclude" not in command and "--revision" not in command
@@ -337,7 +341,7 @@ def test_hf_single_file_download_names_the_file_and_uses_an_empty_dir() -> None:
 
 
 def test_pvc_model_is_mounted_read_only_and_needs_no_init_container() -> None:
-    pod = builders.build_rank_statefulset(parse({"model": {"uri": "pvc://models/llama"}}))
+    pod = rank_pods.build_rank_statefulset(parse({"model": {"uri": "pvc://models/llama"}}))
     spec = pod["spec"]["template"]["spec"]
     assert "initContainers" not in spec
     assert {v["name"]: v for v in spec["volumes"]}["model"]["persistentVolumeClaim"] == {
@@ -348,12 +352,12 @@ def test_pvc_model_is_mounted_read_only_and_needs_no_init_container() -> None:
 
 def test_builtin_and_file_models_mount_no_model_volume() -> None:
     for uri in ("builtin://smollm2-135m-instruct", "file:///models/x"):
-        spec = builders.build_rank_statefulset(parse({"model": {"uri": uri}}))["spec"]
+        spec = rank_pods.build_rank_statefulset(parse({"model": {"uri": uri}}))["spec"]
         assert "model" not in {v["name"] for v in spec["template"]["spec"]["volumes"]}
 
 
 def test_scheduling_fields_reach_the_rank_pods() -> None:
-    pod = builders.build_rank_statefulset(parse(FULL_SPEC))["spec"]["template"]["spec"]
+    pod = rank_pods.build_rank_statefulset(parse(FULL_SPEC))["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert pod["tolerations"] == FULL_SPEC["scheduling"]["tolerations"]
     assert pod["affinity"] == FULL_SPEC["scheduling"]["affinity"]
@@ -370,7 +374,7 @@ def test_scheduling_fields_reach_the_rank_pods() -> None:
 
 def test_each_rank_service_selects_exactly_its_pod() -> None:
     isvc = parse({"replicas": 3})
-    services = builders.build_rank_services(isvc)
+    services = rank_services.build_rank_services(isvc)
     assert [s["metadata"]["name"] for s in services] == [
         "chat-rank-0",
         "chat-rank-1",
@@ -384,7 +388,7 @@ def test_each_rank_service_selects_exactly_its_pod() -> None:
 
 
 def test_headless_service_publishes_not_ready_ranks() -> None:
-    svc = builders.build_headless_service(parse({}))
+    svc = rank_services.build_headless_service(parse({}))
     assert svc["spec"]["clusterIP"] == "None"
     assert svc["spec"]["publishNotReadyAddresses"] is True
 
@@ -400,7 +404,7 @@ def router_args_of(dep: dict[str, Any]) -> RouterArgs:
 
 def test_router_gets_the_policy_and_discovers_exactly_the_rank_services() -> None:
     isvc = parse({"replicas": 3, "routing": {"policy": "roundRobin", "routerReplicas": 2}})
-    dep = builders.build_router_deployment(isvc)
+    dep = router.build_router_deployment(isvc)
     assert dep["spec"]["replicas"] == 2
     args = router_args_of(dep)
     assert args.policy == "round_robin"
@@ -411,13 +415,13 @@ def test_router_gets_the_policy_and_discovers_exactly_the_rank_services() -> Non
     # EndpointSlices carry their Service's labels: the selector must pick the per-rank Services
     # (and read their rank) but not the headless one, nor another InferenceService's.
     terms = parse_selector(args.discover_selector or "")
-    ranks = builders.build_rank_services(isvc)
+    ranks = rank_services.build_rank_services(isvc)
     assert all(selector_matches(terms, s["metadata"]["labels"]) for s in ranks)
     assert [int(s["metadata"]["labels"][args.discover_rank_label]) for s in ranks] == [0, 1, 2]
     assert args.discover_port_name == ranks[0]["spec"]["ports"][0]["name"]
-    headless = builders.build_headless_service(isvc)
+    headless = rank_services.build_headless_service(isvc)
     assert not selector_matches(terms, headless["metadata"]["labels"])
-    other = builders.build_rank_services(parse({"replicas": 1}, name="other"))[0]
+    other = rank_services.build_rank_services(parse({"replicas": 1}, name="other"))[0]
     assert not selector_matches(terms, other["metadata"]["labels"])
     selector = dep["spec"]["selector"]["matchLabels"]
     assert selector.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
@@ -427,11 +431,18 @@ def test_router_gets_the_policy_and_discovers_exactly_the_rank_services() -> Non
     assert probes["livenessProbe"]["httpGet"]["path"] == "/liveness"
 
 
+def test_the_router_runs_the_router_image_whatever_the_ranks_run() -> None:
+    isvc = parse({"replicas": 2, "runtime": {"image": "team/model-baked:3"}})
+    container = router.build_router_deployment(isvc)["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == c.DEFAULT_ROUTER_IMAGE != c.DEFAULT_RUNTIME_IMAGE
+    assert container["command"] == ["berth"] and container["args"][0] == "router"
+
+
 def test_scaling_does_not_change_the_router_so_it_is_not_restarted() -> None:
-    one_rank = builders.build_router_deployment(parse({"replicas": 1}))
-    five_ranks = builders.build_router_deployment(parse({"replicas": 5}))
+    one_rank = router.build_router_deployment(parse({"replicas": 1}))
+    five_ranks = router.build_router_deployment(parse({"replicas": 5}))
     assert one_rank == five_ranks
-    assert builders.build_router_deployment(parse({"replicas": 0})) == one_rank
+    assert router.build_router_deployment(parse({"replicas": 0})) == one_rank
 
 
 def test_router_account_is_bound_to_the_shipped_router_cluster_role_only() -> None:
@@ -458,16 +469,16 @@ def test_the_runtime_env_names_the_operator_sets_are_the_ones_users_may_not() ->
     spec = parse({"apiKeySecretRef": {"name": "k"}})
     sts = one(builders.build_children(spec), "StatefulSet", "chat")
     (container,) = sts["spec"]["template"]["spec"]["containers"]
-    assert {e["name"] for e in container["env"]} == set(spec_module.MANAGED_ENV)
+    assert {e["name"] for e in container["env"]} == set(MANAGED_ENV)
 
 
 def test_entry_service_points_at_the_router_or_at_the_ranks_without_one() -> None:
-    with_router = builders.build_entry_service(parse({}))
+    with_router = network.build_entry_service(parse({}))
     assert with_router["spec"]["selector"][c.LABEL_ROLE] == "router"
     assert with_router["spec"]["ports"] == [
         {"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}
     ]
-    direct = builders.build_entry_service(parse({"routing": {"routerReplicas": 0}}))
+    direct = network.build_entry_service(parse({"routing": {"routerReplicas": 0}}))
     assert direct["spec"]["selector"][c.LABEL_ROLE] == "rank"
     children = builders.build_children(parse({"routing": {"routerReplicas": 0}}))
     assert not by_kind(children, "Deployment")
@@ -484,7 +495,7 @@ def test_pdbs_allow_one_disruption_at_a_time() -> None:
 
 
 def test_ingress_routes_to_the_entry_service_with_tls() -> None:
-    ingress = builders.build_ingress(parse(FULL_SPEC))
+    ingress = network.build_ingress(parse(FULL_SPEC))
     assert ingress["spec"]["ingressClassName"] == "nginx"
     assert ingress["spec"]["tls"] == [{"hosts": ["chat.example.com"], "secretName": "chat-tls"}]
     (rule,) = ingress["spec"]["rules"]
@@ -497,14 +508,14 @@ def test_ingress_routes_to_the_entry_service_with_tls() -> None:
 
 def test_urls() -> None:
     full = parse(FULL_SPEC)
-    assert builders.ingress_url(full) == "https://chat.example.com/v1"
+    assert naming.ingress_url(full) == "https://chat.example.com/v1"
     hostless = parse({"ingress": {}})
-    assert builders.ingress_url(hostless) is None
-    assert builders.ingress_url(hostless, "203.0.113.7") == "http://203.0.113.7/v1"
-    assert builders.ingress_url(parse({})) is None
-    assert builders.cluster_url(full) == "http://chat.team-a.svc/v1"
+    assert naming.ingress_url(hostless) is None
+    assert naming.ingress_url(hostless, "203.0.113.7") == "http://203.0.113.7/v1"
+    assert naming.ingress_url(parse({})) is None
+    assert naming.cluster_url(full) == "http://chat.team-a.svc/v1"
     wildcard = parse({"ingress": {"host": "*.example.com"}})
-    assert builders.ingress_url(wildcard) is None
+    assert naming.ingress_url(wildcard) is None
 
 
 # --- the rank plan (autoscaler and health checks) ------------------------------------------------
@@ -520,48 +531,46 @@ def rank_service_names(children: list[dict[str, Any]]) -> list[str]:
 
 def test_withdrawn_ranks_lose_their_service_but_keep_their_pods() -> None:
     isvc = parse({"replicas": 3})
-    plan = builders.RankPlan(3, frozenset({1}))
+    plan = RankPlan(3, frozenset({1}))
     children = builders.build_children(isvc, plan)
     assert rank_service_names(children) == ["chat-rank-0", "chat-rank-2"]
     assert one(children, "StatefulSet", "chat")["spec"]["replicas"] == 3
     # The router discovers ranks through those Services; rank_urls agrees.
-    assert builders.rank_urls(isvc, plan) == [
+    assert rank_urls(isvc, plan) == [
         "http://chat-rank-0.team-a.svc:8000",
         "http://chat-rank-2.team-a.svc:8000",
     ]
     # The headless Service (stable DNS, what the operator's own view relies on) stays.
     assert one(children, "Service", "chat-ranks")
-    everyone = builders.build_children(isvc, builders.RankPlan(3, frozenset({0, 1, 2})))
+    everyone = builders.build_children(isvc, RankPlan(3, frozenset({0, 1, 2})))
     assert rank_service_names(everyone) == []
     assert one(everyone, "StatefulSet", "chat")["spec"]["replicas"] == 3
 
 
 def test_plan_pods_set_the_statefulset_replicas() -> None:
     isvc = parse({"replicas": 2, "autoscaling": {"enabled": True, "maxReplicas": 8}})
-    children = builders.build_children(isvc, builders.RankPlan(5, frozenset({4})))
+    children = builders.build_children(isvc, RankPlan(5, frozenset({4})))
     assert one(children, "StatefulSet", "chat")["spec"]["replicas"] == 5
     assert rank_service_names(children) == [f"chat-rank-{r}" for r in range(4)]
-    shrunk = builders.build_children(isvc, builders.RankPlan(1))
+    shrunk = builders.build_children(isvc, RankPlan(1))
     assert one(shrunk, "StatefulSet", "chat")["spec"]["replicas"] == 1
     assert rank_service_names(shrunk) == ["chat-rank-0"]
 
 
 def test_withdrawn_ranks_beyond_the_pods_are_ignored() -> None:
-    assert builders.RankPlan(2, frozenset({5})).routable == [0, 1]
-    assert builders.RankPlan(0).routable == []
-    assert builders.RankPlan(4, frozenset({0, 3})).routable == [1, 2]
+    assert RankPlan(2, frozenset({5})).routable == [0, 1]
+    assert RankPlan(0).routable == []
+    assert RankPlan(4, frozenset({0, 3})).routable == [1, 2]
 
 
 def test_without_a_plan_the_spec_decides() -> None:
     for spec in (FULL_SPEC, {"replicas": 3}, {"replicas": 0}):
         isvc = parse(spec)
-        assert builders.RankPlan.of(isvc) == builders.RankPlan(isvc.spec.ranks)
-        assert builders.build_children(isvc) == builders.build_children(
-            isvc, builders.RankPlan.of(isvc)
-        )
-        assert builders.rank_urls(isvc) == builders.rank_urls(isvc, builders.RankPlan.of(isvc))
+        assert RankPlan.of(isvc) == RankPlan(isvc.spec.ranks)
+        assert builders.build_children(isvc) == builders.build_children(isvc, RankPlan.of(isvc))
+        assert rank_urls(isvc) == rank_urls(isvc, RankPlan.of(isvc))
     clamped = parse({"replicas": 1, "autoscaling": {"enabled": True, "minReplicas": 2}})
-    assert builders.RankPlan.of(clamped) == builders.RankPlan(2)
+    assert RankPlan.of(clamped) == RankPlan(2)
 
 
 def test_a_plan_changes_nothing_but_the_rank_services_and_replicas() -> None:
@@ -569,7 +578,7 @@ def test_a_plan_changes_nothing_but_the_rank_services_and_replicas() -> None:
     plain = {(o["kind"], o["metadata"]["name"]): o for o in builders.build_children(isvc)}
     planned = {
         (o["kind"], o["metadata"]["name"]): o
-        for o in builders.build_children(isvc, builders.RankPlan(5, frozenset({0, 4})))
+        for o in builders.build_children(isvc, RankPlan(5, frozenset({0, 4})))
     }
     keys = plain.keys() | planned.keys()
     rank_services = {key for key in keys if key[1].startswith("chat-rank-")}

@@ -19,9 +19,14 @@ from .factories import REPO_ROOT, SAMPLES, load_yaml_docs
 CPU_SAMPLE = next(p for p in SAMPLES if p.name.endswith("_cpu.yaml"))
 
 
-def render(*files: str, image: str = "img:1", namespace: str | None = None) -> tuple[int, str, str]:
+def render(
+    *files: str,
+    image: str = "img:1",
+    namespace: str | None = None,
+    router_image: str = "router-img:1",
+) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    code = cli.render(list(files), image, namespace, out, err)
+    code = cli.render(list(files), image, namespace, out, err, router_image=router_image)
     return code, out.getvalue(), err.getvalue()
 
 
@@ -32,7 +37,7 @@ def test_render_prints_exactly_the_builders_children() -> None:
     for path in SAMPLES:
         for doc in load_yaml_docs(path):
             expected += builders.build_children(
-                InferenceService.from_body(doc, default_image="img:1")
+                InferenceService.from_body(doc, default_image="img:1", router_image="router-img:1")
             )
     assert list(yaml.safe_load_all(out)) == expected
     assert "ownerReferences" not in out  # nothing owns a rendered object yet
@@ -45,6 +50,22 @@ def test_render_uses_the_namespace_flag_and_the_default_image(tmp_path: Path) ->
     assert {d["metadata"]["namespace"] for d in docs} == {"team-b"}
     sts = next(d for d in docs if d["kind"] == "StatefulSet")
     assert sts["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.local/berth:dev"
+
+
+def test_routers_run_the_router_image_and_ranks_the_runtime_image() -> None:
+    sample = next(
+        p
+        for p in SAMPLES
+        if any(d.get("spec", {}).get("replicas", 1) > 1 for d in load_yaml_docs(p))
+    )
+    code, out, err = render(str(sample), image="reg/runtime:1", router_image="reg/router:1")
+    assert code == 0, err
+    images = {
+        d["kind"]: d["spec"]["template"]["spec"]["containers"][0]["image"]
+        for d in yaml.safe_load_all(out)
+        if d["kind"] in ("StatefulSet", "Deployment")
+    }
+    assert images == {"StatefulSet": "reg/runtime:1", "Deployment": "reg/router:1"}
 
 
 def test_render_reports_every_problem_and_fails(tmp_path: Path) -> None:
@@ -137,7 +158,17 @@ def test_run_starts_kopf_with_the_right_scope(
     monkeypatch.setattr(kopf, "run", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setattr(kopf, "configure", lambda **kwargs: None)
     assert (
-        cli.main([*argv, "--runtime-image", "img:2", "--liveness", "http://0.0.0.0:8080/healthz"])
+        cli.main(
+            [
+                *argv,
+                "--runtime-image",
+                "img:2",
+                "--router-image",
+                "router:2",
+                "--liveness",
+                "http://0.0.0.0:8080/healthz",
+            ]
+        )
         == 0
     )
     (kwargs,) = calls
@@ -147,3 +178,4 @@ def test_run_starts_kopf_with_the_right_scope(
     assert kwargs["liveness_endpoint"] == "http://0.0.0.0:8080/healthz"
     assert kwargs["settings"].scanning.disabled is scanning_disabled  # type: ignore[attr-defined]
     assert kwargs["memo"].default_image == "img:2"  # type: ignore[attr-defined]
+    assert kwargs["memo"].router_image == "router:2"  # type: ignore[attr-defined]

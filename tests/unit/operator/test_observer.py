@@ -9,8 +9,8 @@ import pytest
 
 from berth_operator import observer as observer_module
 from berth_operator import status
-from berth_operator.builders import RankPlan
 from berth_operator.observer import Event, RankObserver
+from berth_operator.plan import RankPlan
 from berth_operator.scrape import RankSample
 from berth_operator.spec import InferenceService
 

@@ -48,10 +48,10 @@ def test_full_spec_parses_every_field() -> None:
     assert spec.model.hf_file is None
     assert spec.model.revision == "v1.0"
     assert spec.model.hf_token is not None and spec.model.hf_token.key == "token"
-    assert spec.model.cache_claim == "model-cache"
+    assert spec.model.cache.claim_name == "model-cache"
     assert spec.runtime.args.schedule_policy == "lpm"
     assert spec.runtime.args.disable_radix_cache is True
-    assert spec.runtime.image_pull_secrets == ("regcred",)
+    assert spec.runtime.image_pull_secrets == ({"name": "regcred"},)
     assert spec.runtime.env[1] == {
         "name": "POD_IP",
         "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
@@ -59,7 +59,8 @@ def test_full_spec_parses_every_field() -> None:
     assert spec.resources.cpu == "8"  # integer quantities become strings
     assert spec.resources.gpu_resource == "amd.com/gpu"
     assert spec.api_key is not None and spec.api_key.key == "token"
-    assert spec.ingress is not None and spec.ingress.tls_secret == "chat-tls"
+    assert spec.ingress is not None and spec.ingress.tls is not None
+    assert spec.ingress.tls.secret_name == "chat-tls"
     assert spec.ingress.path == "/" and spec.ingress.path_type == "Prefix"
     assert dict(spec.scheduling.node_selector) == {
         "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"

@@ -12,8 +12,8 @@ import jsonschema
 import pytest
 
 from berth_operator import status
-from berth_operator.builders import RankPlan
 from berth_operator.observer import RankObserver
+from berth_operator.plan import RankPlan
 from berth_operator.scrape import RankSample
 from berth_operator.status import Live, Observed
 
