@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from typing import Any
 
 import uvicorn
@@ -61,3 +62,17 @@ def uvicorn_config(
         lifespan="on",
         timeout_graceful_shutdown=graceful_shutdown_s,
     )
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn whose SIGTERM or SIGINT drains and then exits 0: it stops accepting, lets the
+    requests in flight finish (within `timeout_graceful_shutdown`), and returns. A second SIGINT
+    exits at once.
+
+    uvicorn itself raises the signal again once it has shut down, so the process would end killed
+    by it (exit -15), which supervisors and Kubernetes report as a failure."""
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing as mp
@@ -32,23 +33,45 @@ def die_with_parent() -> None:
         pass
 
 
-def init_child_process(name: str) -> int:
-    """Common start of every child: title, parent-death signal, Ctrl-C left to the parent.
+# Between a server's main process and its children (the scheduler and the detokenizer):
+# a child that is sent SIGTERM or SIGINT asks its parent to drain with DRAIN_REQUEST, and exits
+# only when its parent sends STOP_CHILD, once the requests in flight are done.
+DRAIN_REQUEST = signal.SIGUSR1
+STOP_CHILD = signal.SIGUSR2
 
-    Returns the parent's pid, for loops that also poll it.
+
+def init_child_process(name: str) -> int:
+    """Common start of every child: title, parent-death signal, and the terminal signals handed
+    to the parent.
+
+    SIGTERM and SIGINT reach children from `kill -TERM -- -PGID`, `docker stop` behind an init,
+    systemd, `timeout` or a Ctrl-C in the terminal. Exiting on them would fail every request in
+    flight; instead the child asks its parent to drain (which is idempotent, so a signal to the
+    whole group drains once) and keeps serving until the parent stops it. Returns the parent's
+    pid, for loops that also poll it.
     """
     set_process_title(name)
     die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    return os.getppid()
+    parent = os.getppid()
+
+    def ask_parent_to_drain(signum: int, _frame: object) -> None:
+        received = signal.Signals(signum).name
+        logger.info("%s: received %s; asking the server to drain", name, received)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(parent, DRAIN_REQUEST)
+
+    signal.signal(signal.SIGTERM, ask_parent_to_drain)
+    signal.signal(signal.SIGINT, ask_parent_to_drain)
+    signal.signal(STOP_CHILD, lambda *_: os._exit(0))
+    return parent
 
 
 def stop_processes(procs: list[mp.process.BaseProcess], timeout: float = 5.0) -> None:
-    """SIGTERM, wait, then SIGKILL whatever is left."""
+    """Send each child STOP_CHILD, wait, then SIGKILL whatever is left."""
     for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
+        if proc.is_alive() and proc.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, STOP_CHILD)
     for proc in procs:
         proc.join(timeout)
         if proc.is_alive():

@@ -12,7 +12,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -20,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from berth_common.auth import ApiKeyMiddleware
 from berth_common.errors import RequestError
-from berth_common.http import add_error_handlers, error_response, uvicorn_config
+from berth_common.http import DrainingServer, add_error_handlers, error_response, uvicorn_config
 from berth_common.logging import configure_logging
 from berth_common.process import set_process_title
 from berth_router import __version__
@@ -286,7 +285,7 @@ def run_router(args: RouterArgs, kube: KubeConfig | None = None) -> int:
         graceful_shutdown_s=int(args.graceful_shutdown_timeout),
         access_log=False,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config)
     server.run()
     if not server.started:
         return 1  # e.g. the port was taken

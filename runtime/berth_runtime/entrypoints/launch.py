@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -17,7 +18,7 @@ import uvicorn
 
 from berth_common.http import uvicorn_config
 from berth_common.logging import configure_logging
-from berth_common.process import set_process_title, stop_processes
+from berth_common.process import DRAIN_REQUEST, set_process_title, stop_processes
 from berth_runtime.entrypoints.http_server import ServerState, create_app
 from berth_runtime.kernels.cpu import toolchain_problem
 from berth_runtime.model_executor.device import berth_cpu_problem, resolve_device
@@ -92,7 +93,11 @@ class Engine:
 
 class BerthServer(uvicorn.Server):
     """uvicorn with a draining shutdown: on SIGTERM/SIGINT refuse new work (503), let in-flight
-    requests finish for the grace period, then exit. A second signal exits at once."""
+    requests finish for the grace period, then exit. A second signal exits at once.
+
+    A child sent SIGTERM or SIGINT asks for the same drain (DRAIN_REQUEST, see
+    `berth_common.process`); those requests never count as the second signal, so a signal to the
+    whole process group drains once."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
@@ -112,6 +117,22 @@ class BerthServer(uvicorn.Server):
         self.state.reason = "shutting down"
         self.state.tokenizer_manager.draining = True
         self._loop.call_soon_threadsafe(self._start_drain)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        signal.signal(DRAIN_REQUEST, self._drain_requested)
+        try:
+            with super().capture_signals():
+                yield
+        finally:
+            # The children may still ask while they are being stopped: nothing is left to drain.
+            signal.signal(DRAIN_REQUEST, signal.SIG_IGN)
+
+    def _drain_requested(self, sig: int, frame: Any) -> None:
+        if self.state.phase == "draining" or self.should_exit:
+            return
+        logger.info("A child process was asked to stop")
+        self.handle_exit(sig, frame)
 
     def _start_drain(self) -> None:
         self._drain_task = asyncio.get_running_loop().create_task(self._drain())

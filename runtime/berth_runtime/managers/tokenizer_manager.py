@@ -148,7 +148,12 @@ class TokenizerManager:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if self.draining:
-            raise RequestError("the server is shutting down", HTTPStatus.SERVICE_UNAVAILABLE)
+            # Another replica (or this one's successor) can take it: say when to try again.
+            raise RequestError(
+                "the server is shutting down",
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         rid = obj.rid or uuid.uuid4().hex
         if rid in self.rid_to_state:
             raise RequestError(f"a request with rid {rid!r} is already running", param="rid")

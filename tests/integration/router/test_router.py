@@ -438,6 +438,37 @@ def _ready(router: RunningRouter) -> bool:
 # --- a rank dies under load (keep this last: the rank stays dead) ------------------------------
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_stop_signal_lets_streams_in_flight_finish_then_the_router_exits_0(
+    ranks: list[RunningServer], model: str, sig: signal.Signals
+) -> None:
+    own = RunningRouter("--worker-urls", ranks[0].base_url, "--policy", "round_robin").wait_ready()
+    try:
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": "Describe a harbour at dawn."}],
+            "max_tokens": 40,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        events: list[str] = []
+        with httpx.stream(
+            "POST", f"{own.base_url}/v1/chat/completions", json=body, timeout=TIMEOUT
+        ) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: ") :])
+                    if len(events) == 2:  # streaming: now stop the router under it
+                        os.killpg(own.proc.pid, sig)
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert own.proc.wait(30) == 0
+    finally:
+        own.stop()
+
+
 def kill_rank(rank: RunningServer) -> None:
     """SIGKILL the rank's API process and its engine: a crash, not a drain."""
     pids = [rank.proc.pid, *rank.child_pids()]

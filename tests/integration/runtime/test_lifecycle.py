@@ -132,6 +132,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly():
     refused = httpx.post(f"{srv.base_url}/generate", json=body, timeout=30)
     assert refused.status_code == 503
     assert refused.json()["object"] == "error"
+    assert refused.headers["retry-after"] == "1"
 
     t.join(120)
     assert result["r"].status_code == 200, result["r"].text
