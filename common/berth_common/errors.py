@@ -57,12 +57,13 @@ def error_body(
     param: str | None = None,
     code: str | int | None = None,
 ) -> dict[str, Any]:
-    """The body SGLang and vLLM return: `{"object": "error", "message", "type", "param",
-    "code"}`."""
+    """OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`: what the openai SDK
+    and the clients built on it parse (also as an event of a stream that fails)."""
     return {
-        "object": "error",
-        "message": message,
-        "type": err_type,
-        "param": param,
-        "code": code if code is not None else status_code,
+        "error": {
+            "message": message,
+            "type": err_type,
+            "param": param,
+            "code": code if code is not None else status_code,
+        }
     }

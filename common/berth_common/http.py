@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import logging
 import signal
+import uuid
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from berth_common.errors import RequestError
+
+logger = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -29,16 +34,39 @@ def error_response(err: RequestError) -> JSONResponse:
 
 
 def add_error_handlers(app: FastAPI, internal_error: str) -> None:
-    """Answer a RequestError with its OpenAI body, and any other exception with a 500 body whose
-    message is `<internal_error>: <type>: <exception>` (uvicorn logs the traceback)."""
+    """Every error as an OpenAI body: a RequestError as itself, an unknown route (404) or method
+    (405) as such, and any other exception as a 500 that says `<internal_error>` and an error id;
+    the traceback goes to the log under that id, never to the client."""
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
         return error_response(exc)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message, code = "no such route", "not_found"
+        elif exc.status_code == 405:
+            message, code = "method not allowed on this route", "method_not_allowed"
+        else:
+            message, code = str(exc.detail), None
+        return error_response(
+            RequestError(message, exc.status_code, code=code, headers=dict(exc.headers or {}))
+        )
+
     @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(RequestError(f"{internal_error}: {type(exc).__name__}: {exc}", 500))
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        error_id = uuid.uuid4().hex[:16]
+        logger.error(
+            "%s %s failed (error id %s)",
+            request.method,
+            request.url.path,
+            error_id,
+            exc_info=(type(exc), exc, exc.__traceback__),
+        )
+        return error_response(
+            RequestError(f"{internal_error} (error id {error_id})", 500, code="internal_error")
+        )
 
 
 def uvicorn_config(

@@ -32,6 +32,13 @@ class RouterArgs(DataclassCli):
         default=30.0,
         metadata={"help": "Seconds to let in-flight (streaming) requests finish after SIGTERM."},
     )
+    max_request_body_mb: float = field(
+        default=16.0,
+        metadata={
+            "help": "Largest request body passed on, in MiB; larger ones get 413 before they are "
+            "read (each rank has its own limit too)."
+        },
+    )
 
     # Workers
     worker_urls: tuple[str, ...] = field(
@@ -171,6 +178,8 @@ class RouterArgs(DataclassCli):
             raise ValueError("--max-retries must be >= 0")
         if self.graceful_shutdown_timeout < 0:
             raise ValueError("--graceful-shutdown-timeout must be >= 0")
+        if self.max_request_body_mb <= 0:
+            raise ValueError("--max-request-body-mb must be positive")
         if self.api_key is None and os.environ.get("BERTH_API_KEY"):
             object.__setattr__(self, "api_key", os.environ["BERTH_API_KEY"])
 

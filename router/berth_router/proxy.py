@@ -340,7 +340,7 @@ class ProxyResponse(Response):
                         "InternalServerError",
                         502,
                     )
-                    tail = (sse_event({"error": err}) + SSE_DONE).encode()
+                    tail = (sse_event(err) + SSE_DONE).encode()
                     await send({"type": "http.response.body", "body": tail, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             self._finished = True

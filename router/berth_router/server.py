@@ -15,9 +15,9 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from berth_common.auth import ApiKeyMiddleware
+from berth_common.body_guard import BodyGuardMiddleware
 from berth_common.errors import RequestError
 from berth_common.http import DrainingServer, add_error_handlers, error_response, uvicorn_config
 from berth_common.logging import configure_logging
@@ -97,11 +97,6 @@ def create_app(args: RouterArgs, kube: KubeConfig | None = None) -> Any:
     app.state.router = router
 
     add_error_handlers(app, "router error")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = "no such route" if exc.status_code == 404 else str(exc.detail)
-        return error_response(RequestError(message, exc.status_code))
 
     # --- the router's own endpoints -------------------------------------------------------------
 
@@ -209,7 +204,8 @@ def create_app(args: RouterArgs, kube: KubeConfig | None = None) -> Any:
         ranks = {str(rank): body for rank, (_, body) in sorted(results.items())}
         return JSONResponse({"success": ok, "ranks": ranks}, status_code=200 if ok else 400)
 
-    asgi: Any = app
+    body_limit = int(args.max_request_body_mb * 2**20)
+    asgi: Any = BodyGuardMiddleware(app, lambda: body_limit)
     if args.api_key:
         asgi = ApiKeyMiddleware(asgi, args.api_key, OPEN_PATHS)
     return asgi

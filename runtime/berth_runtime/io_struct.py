@@ -216,10 +216,18 @@ class SchedulerStats(_Msg):
     generated_tokens: int = 0  # output tokens since start, running requests included
 
 
+class SchedulerBusy(_Msg):
+    """Sent straight to the API process by a thread of the scheduler while one step runs longer
+    than a heartbeat interval: the heartbeat is late because the scheduler is working
+    (`managers/engine_liveness.py`)."""
+
+    step_s: float  # how long the running step has run
+
+
 class FlushCacheOut(_Msg):
     success: bool
     message: str = ""
 
 
 ToDetokenizer = BatchOutput | SchedulerStats
-ToTokenizer = BatchOutput | SchedulerStats | FlushCacheOut
+ToTokenizer = BatchOutput | SchedulerStats | SchedulerBusy | FlushCacheOut

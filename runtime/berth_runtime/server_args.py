@@ -90,6 +90,13 @@ class ServerArgs(DataclassCli):
         default=30.0,
         metadata={"help": "Seconds to let in-flight requests finish after SIGTERM."},
     )
+    max_request_body_mb: float | None = field(
+        default=None,
+        metadata={
+            "help": "Largest request body accepted, in MiB; larger ones get 413 before they are "
+            "read (default: 64 bytes per token of context, at least 4 MiB)."
+        },
+    )
 
     # Scheduler and memory
     max_running_requests: int = field(
@@ -126,7 +133,8 @@ class ServerArgs(DataclassCli):
         default=60.0,
         metadata={
             "help": "Exit non-zero when the engine's heartbeat has stopped this many seconds (a "
-            "wedged scheduler or detokenizer), so the pod restarts; /health turns 503 after 5 s."
+            "wedged scheduler or detokenizer), or one step has run this long, so the pod "
+            "restarts; /health turns 503 after 5 s without a heartbeat or a step running."
         },
     )
 
@@ -146,7 +154,12 @@ class ServerArgs(DataclassCli):
 
         for name in ("port", "max_running_requests", "max_prefill_tokens", "tp_size"):
             positive(name, getattr(self, name))
-        for name in ("context_length", "max_total_tokens", "max_queued_requests"):
+        for name in (
+            "context_length",
+            "max_total_tokens",
+            "max_queued_requests",
+            "max_request_body_mb",
+        ):
             positive(name, getattr(self, name))
         if self.gguf_q4_max_batch < 0:
             raise ValueError(f"--gguf-q4-max-batch must be >= 0, got {self.gguf_q4_max_batch}")
@@ -170,3 +183,15 @@ class ServerArgs(DataclassCli):
             return DEFAULT_SERVED_NAME
         base = os.path.basename(os.path.normpath(self.model))
         return base.removesuffix(".gguf")
+
+
+MIN_REQUEST_BODY_BYTES = 4 * 2**20
+REQUEST_BODY_BYTES_PER_TOKEN = 64
+
+
+def max_request_body_bytes(args: ServerArgs, context_len: int) -> int:
+    """--max-request-body-mb, or by default room for a full context of JSON-escaped text (a token
+    is a few characters; an escaped one up to six bytes each) and the request's other fields."""
+    if args.max_request_body_mb is not None:
+        return int(args.max_request_body_mb * 2**20)
+    return max(MIN_REQUEST_BODY_BYTES, REQUEST_BODY_BYTES_PER_TOKEN * context_len)

@@ -1,11 +1,12 @@
-"""What every child shares: its metadata, the pods' security contexts, the HTTP port."""
+"""What every child shares: its metadata, the pods' security contexts, the HTTP port, the
+one-pod-at-a-time PodDisruptionBudget."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from berth_operator import constants as c
-from berth_operator.naming import labels
+from berth_operator.naming import labels, selector_labels
 from berth_operator.spec import InferenceService
 
 Manifest = dict[str, Any]
@@ -35,3 +36,17 @@ def container_security_context() -> dict[str, Any]:
 
 def http_port(port: int) -> dict[str, Any]:
     return {"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}
+
+
+def one_at_a_time_pdb(isvc: InferenceService, name: str, role: str) -> Manifest:
+    """A PodDisruptionBudget: voluntary disruptions (node drains) take one pod of `role` at a
+    time."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(isvc, name, role),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(isvc.name, role)},
+        },
+    }

@@ -15,6 +15,7 @@ from berth_operator.builders.parts import (
     Manifest,
     container_security_context,
     metadata,
+    one_at_a_time_pdb,
     pod_security_context,
 )
 from berth_operator.naming import (
@@ -361,12 +362,4 @@ def _apply_scheduling(pod: dict[str, Any], spec: InferenceServiceSpec) -> None:
 
 def build_rank_pdb(isvc: InferenceService) -> Manifest:
     """Voluntary disruptions (node drains) take at most one rank at a time."""
-    return {
-        "apiVersion": "policy/v1",
-        "kind": "PodDisruptionBudget",
-        "metadata": metadata(isvc, rank_statefulset_name(isvc.name), c.ROLE_RANK),
-        "spec": {
-            "maxUnavailable": 1,
-            "selector": {"matchLabels": selector_labels(isvc.name, c.ROLE_RANK)},
-        },
-    }
+    return one_at_a_time_pdb(isvc, rank_statefulset_name(isvc.name), c.ROLE_RANK)

@@ -10,6 +10,7 @@ from berth_operator.builders.parts import (
     Manifest,
     container_security_context,
     metadata,
+    one_at_a_time_pdb,
     pod_security_context,
 )
 from berth_operator.builders.rank_pods import termination_grace_seconds
@@ -157,12 +158,5 @@ def build_router_deployment(isvc: InferenceService) -> Manifest:
 
 
 def build_router_pdb(isvc: InferenceService) -> Manifest:
-    return {
-        "apiVersion": "policy/v1",
-        "kind": "PodDisruptionBudget",
-        "metadata": metadata(isvc, router_name(isvc.name), c.ROLE_ROUTER),
-        "spec": {
-            "maxUnavailable": 1,
-            "selector": {"matchLabels": selector_labels(isvc.name, c.ROLE_ROUTER)},
-        },
-    }
+    """A node drain takes one router pod at a time."""
+    return one_at_a_time_pdb(isvc, router_name(isvc.name), c.ROLE_ROUTER)

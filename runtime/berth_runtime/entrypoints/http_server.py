@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from berth_common.auth import ApiKeyMiddleware
+from berth_common.body_guard import BodyGuardMiddleware
 from berth_common.errors import RequestError
 from berth_common.http import add_error_handlers, error_response
 from berth_runtime import __version__
@@ -27,7 +28,7 @@ from berth_runtime.entrypoints.protocol import (
 from berth_runtime.io_struct import GenerateReqInput
 from berth_runtime.metrics import HttpMetricsMiddleware, MetricsCollector
 from berth_runtime.sampling_params import SamplingParams
-from berth_runtime.server_args import ServerArgs
+from berth_runtime.server_args import ServerArgs, max_request_body_bytes
 
 # Endpoints that stay open without an API key (probes, scrapers and the operator, which reads
 # the load without holding the key; they say no more than /metrics does).
@@ -57,6 +58,12 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.metrics = MetricsCollector(self.args.model_name, self.args.dp_rank)
+
+    def max_request_body_bytes(self) -> int:
+        """The body limit: sized by the context length once the engine has told it."""
+        tm = self.tokenizer_manager
+        context_len = tm.context_len if tm is not None else self.args.context_length or 0
+        return max_request_body_bytes(self.args, context_len)
 
     def require_ready(self) -> Any:
         if self.phase == "loading":
@@ -230,8 +237,13 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
     async def abort_request(raw_request: Request) -> Response:
         tm = state.require_ready()
         body = await _json_body(raw_request)
-        rid = body.get("rid", "")
-        abort_all = bool(body.get("abort_all", False))
+        rid = body.get("rid") or ""
+        abort_all = body.get("abort_all", False)
+        # Strict types: `"abort_all": "false"` must not read as true and abort everything.
+        if not isinstance(abort_all, bool):
+            raise RequestError("abort_all must be true or false", param="abort_all")
+        if not isinstance(rid, str):
+            raise RequestError("rid must be a string", param="rid")
         if not rid and not abort_all:
             raise RequestError("rid or abort_all is required", param="rid")
         found = tm.abort_request(str(rid), abort_all)
@@ -244,7 +256,7 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
         status = 200 if out.success else 400
         return JSONResponse({"success": out.success, "message": out.message}, status_code=status)
 
-    asgi: Any = app
+    asgi: Any = BodyGuardMiddleware(app, state.max_request_body_bytes)
     if state.args.dp_rank is not None:
         asgi = RankHeaderMiddleware(asgi, state.args.dp_rank)
     if state.args.api_key:
@@ -256,10 +268,9 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
 def _health(state: ServerState) -> tuple[bool, str]:
     if state.phase != "ready":
         return False, state.reason or state.phase
-    silent = time.monotonic() - state.tokenizer_manager.last_heartbeat
-    if silent > HEARTBEAT_STALE_S:
-        return False, f"no scheduler heartbeat for {silent:.1f}s: the engine loop is stuck"
-    return True, ""
+    liveness = state.tokenizer_manager.liveness
+    problem = liveness.problem(time.monotonic(), HEARTBEAT_STALE_S, state.args.watchdog_timeout)
+    return (False, problem) if problem is not None else (True, "")
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
@@ -268,7 +279,8 @@ def _model_card(state: ServerState) -> dict[str, Any]:
         "object": "model",
         "created": int(state.started_time),
         "owned_by": "berth",
-        "root": state.model_path or state.args.model,
+        # What the server was started with, not where it resolved to (a cache path on its disk).
+        "root": state.args.model,
         "max_model_len": state.engine_info.get("context_len"),
     }
 

@@ -307,9 +307,10 @@ async def _watch_children(engine: Engine, server: BerthServer) -> None:
         reason = engine.dead_child() if engine.procs else None
         tm = state.tokenizer_manager
         if reason is None and tm is not None:
-            silent = time.monotonic() - tm.last_heartbeat
-            if silent > state.args.watchdog_timeout:
-                reason = f"the engine's heartbeat stopped {silent:.0f}s ago (watchdog)"
+            limit = state.args.watchdog_timeout
+            problem = tm.liveness.problem(time.monotonic(), limit, limit)
+            if problem is not None:
+                reason = f"watchdog: {problem}"
         if reason is not None:
             server.fail(reason)
             return

@@ -9,7 +9,7 @@ a prompt's first choice equals the same request sent alone.
 Errors: anything rejected before generation starts (bad routing header, engine rejection) is
 raised as `RequestError` and becomes a plain HTTP error. A choice aborted later becomes, when not
 streaming, the HTTP error of its abort status; when streaming, one SSE event
-`data: {"error": <error body>}` (the form for which the OpenAI SDK raises `APIError`) followed by
+`data: {"error": {"message", ...}}` (the error body; the OpenAI SDK raises `APIError` on it) then
 `data: [DONE]`. An abort of one choice ends the whole response and aborts the other choices.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
@@ -36,6 +36,7 @@ from berth_runtime.sampling_params import SamplingParams
 
 Output = RequestOutput
 RequestT = TypeVar("RequestT", bound=SamplingRequest)
+T = TypeVar("T")
 
 DP_RANK_HEADER = "X-Data-Parallel-Rank"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -51,6 +52,10 @@ class EngineClient(Protocol):
     context_len: int
 
     def generate_request(self, obj: GenerateReqInput) -> AsyncGenerator[Output, None]: ...
+
+    async def run_tokenizer(self, fn: Callable[..., T], *args: object) -> T: ...
+
+    def check_prompt_chars(self, chars: int, param: str) -> None: ...
 
 
 class StreamChunker(Protocol):
@@ -74,7 +79,10 @@ class OpenAIServingBase(ABC, Generic[RequestT]):
     async def handle_request(self, request: RequestT, raw_request: Request) -> Response:
         self._check_model(request.model)
         base_rid = request.rid or uuid.uuid4().hex
-        reqs = self.build_inputs(request, raw_request, base_rid)
+        # Templating and tokenizing happen here: off the event loop.
+        reqs = await self.tokenizer_manager.run_tokenizer(
+            self.build_inputs, request, raw_request, base_rid
+        )
         streams = ChoiceStreams(self.tokenizer_manager, reqs, raw_request, request.stream)
         outputs = await streams.start()
         response_id = f"{self.id_prefix}-{base_rid}"
@@ -252,7 +260,7 @@ async def event_stream(
         if include_usage:
             yield sse_event(chunker.usage(usage_info(streams.latest, n)))
     except RequestError as err:
-        yield sse_event({"error": err.body()})
+        yield sse_event(err.body())
     finally:
         await streams.close()
     yield SSE_DONE

@@ -85,6 +85,9 @@ class OpenAIServingChat(OpenAIServingBase[ChatCompletionRequest]):
         """The prompt's token ids: the rendered template plus the assistant's generation prompt,
         tokenized without adding special tokens again (the template has them)."""
         tokenizer = self.tokenizer_manager.tokenizer
+        self.tokenizer_manager.check_prompt_chars(
+            sum(len(message.content) for message in messages), "messages"
+        )
         try:
             prompt = tokenizer.apply_chat_template(
                 [message.model_dump() for message in messages],

@@ -64,7 +64,7 @@ async def _events(streams: ChoiceStreams, obj: GenerateReqInput) -> AsyncIterato
                 raise RequestError(reason.message or "request aborted", reason.status_code or 500)
             yield sse_event(generate_result(obj, so_far))
     except RequestError as e:
-        yield sse_event({"error": e.body()})
+        yield sse_event(e.body())
     finally:
         await streams.close()
     yield SSE_DONE

@@ -18,6 +18,7 @@ from berth_runtime.io_struct import (
     TokenizedGenerateReqInput,
     ToScheduler,
 )
+from berth_runtime.managers.engine_liveness import StepClock, report_long_steps
 from berth_runtime.managers.scheduler import Scheduler
 from berth_runtime.model_executor.model_runner import LoadProgress, ModelRunner
 from berth_runtime.server_args import ServerArgs
@@ -125,6 +126,8 @@ def event_loop(scheduler: Scheduler, ports: PortArgs, parent_pid: int) -> None:
     send_to_tokenizer = Sender(ctx, ports.tokenizer_input)
     last_heartbeat = 0.0
     last_log = time.monotonic()
+    clock = StepClock()
+    report_long_steps(clock, ctx, ports.tokenizer_input)
     with torch.inference_mode():
         while True:
             timeout = IDLE_POLL_MS if scheduler.is_idle else 0
@@ -135,7 +138,9 @@ def event_loop(scheduler: Scheduler, ports: PortArgs, parent_pid: int) -> None:
                     scheduler.handle_abort(msg)
                 elif isinstance(msg, FlushCacheReq):
                     send_to_tokenizer.send(scheduler.handle_flush_cache(msg))
+            clock.start()
             out = scheduler.step()
+            clock.stop()
             if out is not None:
                 send_to_detokenizer.send(out)
             now = time.monotonic()

@@ -8,9 +8,11 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
@@ -26,17 +28,20 @@ from berth_runtime.io_struct import (
     GenerateReqInput,
     ReqOutput,
     RequestOutput,
+    SchedulerBusy,
     SchedulerStats,
     TokenizedGenerateReqInput,
     TokenLogprob,
     ToTokenizer,
 )
+from berth_runtime.managers.engine_liveness import EngineLiveness
 from berth_runtime.metrics import MetricsCollector
 from berth_runtime.sampling_params import SamplingParamsError
 from berth_runtime.server_args import ServerArgs
 from berth_runtime.utils.zmq_ipc import PortArgs
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RETRY_AFTER_S = 1
 
@@ -95,13 +100,19 @@ class TokenizerManager:
         self.vocab_size: int = engine_info["vocab_size"]
         self.rid_to_state: dict[str, ReqState] = {}
         self.last_stats: SchedulerStats | None = None
-        self.last_heartbeat = time.monotonic()
+        self.liveness = EngineLiveness(last_heartbeat=time.monotonic())
         self.draining = False
         self.dead_reason: str | None = None
         self._flush_waiters: list[asyncio.Future[FlushCacheOut]] = []
         self._token_text_cache: dict[int, str] = {}
         self.metrics = metrics
         self.metrics.set_engine_info(self.context_len, self.max_total_tokens)
+        # Templating and tokenizing a long prompt on the event loop would hold up every other
+        # request, and /health, for as long: one worker thread does it, in arrival order.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="berth-tokenize")
+        # No token of this vocabulary is longer than this many characters, so a prompt longer
+        # than context_len of them cannot fit, and is refused without tokenizing it.
+        self.max_prompt_chars = self.context_len * longest_token_chars(self.tokenizer)
 
         self.ctx = zmq.asyncio.Context()
         self.send_to_scheduler = self.ctx.socket(zmq.PUSH)
@@ -125,6 +136,7 @@ class TokenizerManager:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
         self.ctx.destroy(linger=0)
 
     def mark_engine_dead(self, reason: str) -> None:
@@ -136,6 +148,20 @@ class TokenizerManager:
                 state.push(RequestOutput(rid=rid, text="", token_ids=[], finish_reason=dead))
 
     # --- the request path ----------------------------------------------------------------------
+
+    async def run_tokenizer(self, fn: Callable[..., T], *args: object) -> T:
+        """Run `fn` (templating, tokenizing) on the tokenizer thread, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """Refuse, before tokenizing, a prompt too long in characters to fit in the context."""
+        if chars > self.max_prompt_chars:
+            raise RequestError(
+                f"This model's maximum context length is {self.context_len} tokens, and the "
+                f"prompt's {chars} characters cannot fit in it. Please reduce the prompt.",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     async def generate_request(self, obj: GenerateReqInput) -> AsyncGenerator[RequestOutput, None]:
         """Run one request; yield its outputs (each step's new part if streaming, else one at the
@@ -154,15 +180,19 @@ class TokenizerManager:
                 HTTPStatus.SERVICE_UNAVAILABLE,
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
+        self._check_rank(obj)
+        text_ids = None
+        if obj.input_ids is None and obj.text is not None:
+            self.check_prompt_chars(len(obj.text), "prompt")
+            text_ids = await self.run_tokenizer(self._encode, obj.text)
         rid = obj.rid or uuid.uuid4().hex
         if rid in self.rid_to_state:
             raise RequestError(f"a request with rid {rid!r} is already running", param="rid")
-        self._check_rank(obj)
         state = ReqState(obj=obj)
         self.rid_to_state[rid] = state
         sent = False
         try:
-            tokenized = self._tokenize(obj, rid, state)
+            tokenized = self._tokenize(obj, rid, state, text_ids)
             self.send_to_scheduler.send(self.encoder.encode(tokenized))
             sent = True
             first = True
@@ -225,8 +255,11 @@ class TokenizerManager:
                 now - state.received_time,
             )
 
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text).input_ids
+
     def _tokenize(
-        self, obj: GenerateReqInput, rid: str, state: ReqState
+        self, obj: GenerateReqInput, rid: str, state: ReqState, text_ids: list[int] | None
     ) -> TokenizedGenerateReqInput:
         if obj.input_ids is not None:
             input_ids = list(obj.input_ids)
@@ -234,8 +267,8 @@ class TokenizerManager:
                 raise RequestError(
                     f"prompt token ids must be in [0, {self.vocab_size})", param="prompt"
                 )
-        elif obj.text is not None:
-            input_ids = self.tokenizer(obj.text).input_ids
+        elif text_ids is not None:
+            input_ids = text_ids
         else:
             raise RequestError("either text or input_ids is required", param="prompt")
         if not input_ids:
@@ -255,6 +288,7 @@ class TokenizerManager:
                 f"requested {wanted} tokens ({prompt_len} in the prompt, {max_new or 0} for the "
                 "completion). Please reduce the prompt or the completion length.",
                 param="messages" if max_new is None else "max_tokens",
+                code="context_length_exceeded",
             )
         if prompt_len + max(max_new or 1, 1) > self.max_total_tokens:
             raise RequestError(
@@ -263,8 +297,21 @@ class TokenizerManager:
                 f"holds at most {self.max_total_tokens}",
                 param="max_tokens",
             )
+        room = self.context_len - prompt_len
+        if params.min_new_tokens > room:
+            raise RequestError(
+                f"min_tokens is {params.min_new_tokens}, but the context leaves room for at most "
+                f"{room} tokens after this prompt",
+                param="min_tokens",
+            )
         if obj.top_logprobs_num < 0 or obj.top_logprobs_num > 20:
             raise RequestError("top_logprobs must be between 0 and 20", param="top_logprobs")
+        if not -1 <= obj.logprob_start_len < prompt_len:
+            raise RequestError(
+                f"logprob_start_len must be -1 (no prompt logprobs) or a prompt position in "
+                f"[0, {prompt_len}), got {obj.logprob_start_len}",
+                param="logprob_start_len",
+            )
 
         state.input_ids = input_ids
         state.tokenized_time = time.time()
@@ -322,8 +369,10 @@ class TokenizerManager:
                 self._handle_batch_output(msg)
             elif isinstance(msg, SchedulerStats):
                 self.last_stats = msg
-                self.last_heartbeat = time.monotonic()
+                self.liveness.heartbeat(time.monotonic())
                 self.metrics.observe_stats(msg)
+            elif isinstance(msg, SchedulerBusy):
+                self.liveness.busy(time.monotonic(), msg.step_s)
             elif isinstance(msg, FlushCacheOut):
                 waiters, self._flush_waiters = self._flush_waiters, []
                 for w in waiters:
@@ -411,3 +460,9 @@ class TokenizerManager:
 
     def _with_text(self, top: list[tuple[float, int]]) -> list[TokenLogprob]:
         return [TokenLogprob(lp, tid, self.token_text(tid)) for lp, tid in top]
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """An upper bound on the characters one token decodes to: the longest vocabulary entry (a
+    byte-level or SentencePiece entry has at least one symbol per character it decodes to)."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1)

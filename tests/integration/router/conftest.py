@@ -47,16 +47,17 @@ class Always503(http.server.BaseHTTPRequestHandler):
         elif self.path == "/get_load":
             self._json(200, {"num_running_reqs": 0, "num_waiting_reqs": 0})
         else:
-            self._json(404, {"object": "error", "message": "no"})
+            self._json(404, {"error": {"message": "no", "type": "NotFoundError"}})
 
     def do_POST(self) -> None:  # noqa: N802
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         body = {
-            "object": "error",
-            "message": "the queue is full",
-            "type": "ServiceUnavailableError",
-            "param": None,
-            "code": 503,
+            "error": {
+                "message": "the queue is full",
+                "type": "ServiceUnavailableError",
+                "param": None,
+                "code": 503,
+            }
         }
         self._json(503, body, {"Retry-After": "1", "X-Data-Parallel-Rank": str(self.rank)})
 

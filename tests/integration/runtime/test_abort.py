@@ -65,6 +65,6 @@ def test_abort_request_by_rid(server, http: httpx.Client):
     assert http.post("/abort_request", json={"rid": "abort-me"}).json() == {"success": True}
     t.join(30)
     assert result["r"].status_code == 499
-    assert result["r"].json()["object"] == "error"
+    assert result["r"].json()["error"]["message"]
     wait_for(lambda: idle(http), 10, what="the aborted request to be freed")
     assert http.post("/abort_request", json={"rid": "no-such-rid"}).status_code == 404

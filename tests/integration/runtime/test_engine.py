@@ -85,7 +85,7 @@ def test_small_kv_pool_completes_every_request_through_retraction(server, tight)
 def test_request_that_can_never_fit_is_rejected_up_front(tight):
     resp = generate(tight.base_url, text="hi", sampling_params={"max_new_tokens": 700})
     assert resp.status_code == 400
-    assert "KV cache" in resp.json()["message"]
+    assert "KV cache" in resp.json()["error"]["message"]
 
 
 def test_full_queue_is_503_with_retry_after_and_accepted_requests_complete(tight):
@@ -98,5 +98,5 @@ def test_full_queue_is_503_with_retry_after_and_accepted_requests_complete(tight
     assert len(accepted) + len(rejected) == 16
     for r in rejected:
         assert r.headers["retry-after"] == "1"
-        assert r.json()["object"] == "error"
+        assert r.json()["error"]["message"]
     assert all(r.json()["meta_info"]["completion_tokens"] == 40 for r in accepted)

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 
 import httpx
+import pytest
 
+from berth_runtime.entrypoints.http_server import HEARTBEAT_STALE_S
 from tests.helpers import RunningServer, embedded_model_dir, scheduler_process, wait_for
 
 
@@ -47,6 +50,43 @@ def test_frozen_scheduler_turns_health_503_and_recovers():
         finally:
             scheduler.send_signal(signal.SIGCONT)
         wait_for(lambda: httpx.get(f"{srv.base_url}/health").status_code == 200, 10, what="200")
+    finally:
+        assert srv.stop() == 0
+
+
+def test_a_long_prefill_step_keeps_health_200():
+    # One unchunked step of about 3,000 prompt tokens: seconds on a small CPU, during which the
+    # scheduler sends no heartbeat. Before the step reporter, /health turned 503 after 5 s.
+    srv = RunningServer(
+        "--model",
+        embedded_model_dir(),
+        "--chunked-prefill-size",
+        "0",
+        "--max-prefill-tokens",
+        "4096",
+    ).wait_ready()
+    try:
+        prompt = " ".join(f"harbour{i}" for i in range(1000))  # ~3,000 tokens
+        result: dict = {}
+
+        def prefill() -> None:
+            started = time.monotonic()
+            body = {"text": prompt, "sampling_params": {"max_new_tokens": 1}}
+            result["r"] = httpx.post(f"{srv.base_url}/generate", json=body, timeout=300)
+            result["s"] = time.monotonic() - started
+
+        t = threading.Thread(target=prefill)
+        t.start()
+        statuses = []
+        while t.is_alive():
+            statuses.append(httpx.get(f"{srv.base_url}/health", timeout=5).status_code)
+            time.sleep(0.25)
+        t.join()
+        assert result["r"].status_code == 200, result["r"].text
+        assert result["r"].json()["meta_info"]["prompt_tokens"] > 2500
+        if result["s"] < HEARTBEAT_STALE_S + 1:
+            pytest.skip(f"the step took {result['s']:.1f}s here: too fast to outlast the heartbeat")
+        assert set(statuses) == {200}, statuses
     finally:
         assert srv.stop() == 0
 

@@ -131,7 +131,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly():
     assert httpx.get(f"{srv.base_url}/health").json()["status"] == "draining"
     refused = httpx.post(f"{srv.base_url}/generate", json=body, timeout=30)
     assert refused.status_code == 503
-    assert refused.json()["object"] == "error"
+    assert refused.json()["error"]["message"]
     assert refused.headers["retry-after"] == "1"
 
     t.join(120)
@@ -158,7 +158,7 @@ def test_api_key_protects_everything_but_health():
         assert httpx.get(f"{base}/health").status_code == 200
         unauthorized = httpx.get(f"{base}/v1/models")
         assert unauthorized.status_code == 401
-        assert unauthorized.json()["object"] == "error"
+        assert unauthorized.json()["error"]["message"]
         assert (
             httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code
             == 401

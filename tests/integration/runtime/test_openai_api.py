@@ -159,10 +159,12 @@ def test_prompt_as_token_ids_and_list(client: openai.OpenAI, http: httpx.Client)
 def test_models_endpoint(client: openai.OpenAI, http: httpx.Client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    # The model as the server was started with it, never a path on the server's disk.
+    assert http.get("/v1/models").json()["data"][0]["root"] == "builtin://smollm2-135m-instruct"
     assert http.get(f"/v1/models/{MODEL}").status_code == 200
     missing = http.get("/v1/models/nope")
     assert missing.status_code == 404
-    assert missing.json()["code"] == "model_not_found"
+    assert missing.json()["error"]["code"] == "model_not_found"
 
 
 def test_native_generate_stream_and_meta(http: httpx.Client):
@@ -215,5 +217,5 @@ def test_a_request_pinned_to_another_rank_is_refused(http: httpx.Client):
         error = response.json()
         assert error["param"] == "routed_dp_rank" and "another rank" in error["message"]
     native = http.post("/generate", json={"text": "Hi", "routed_dp_rank": 2})
-    assert native.status_code == 400 and native.json()["param"] == "routed_dp_rank"
+    assert native.status_code == 400 and native.json()["error"]["param"] == "routed_dp_rank"
     assert http.post("/v1/chat/completions", json={**body, "routed_dp_rank": 0}).status_code == 200

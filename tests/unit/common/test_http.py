@@ -41,12 +41,16 @@ async def test_errors_become_openai_bodies() -> None:
     assert refused_response.status_code == 503
     assert refused_response.headers["retry-after"] == "1"
     assert refused_response.json() == {
-        "object": "error",
-        "message": "full",
-        "type": "ServiceUnavailableError",
-        "param": None,
-        "code": 503,
+        "error": {
+            "message": "full",
+            "type": "ServiceUnavailableError",
+            "param": None,
+            "code": 503,
+        }
     }
+    # A crash says nothing of its cause to the client; the log has the traceback under the id.
     assert broken_response.status_code == 500
-    assert broken_response.json()["message"] == "test error: KeyError: 'x'"
-    assert broken_response.json()["type"] == "InternalServerError"
+    error = broken_response.json()["error"]
+    assert error["type"] == "InternalServerError" and error["code"] == "internal_error"
+    assert error["message"].startswith("test error (error id ")
+    assert "KeyError" not in broken_response.text

@@ -79,7 +79,7 @@ class Ranks:
         if how == "503":
             return respond(
                 503,
-                {"object": "error", "message": f"rank {rank} is full"},
+                {"error": {"message": f"rank {rank} is full", "type": "ServiceUnavailableError"}},
                 {"Retry-After": "1", "X-Data-Parallel-Rank": str(rank)},
             )
         if how == "broken":
@@ -100,6 +100,13 @@ def ranks() -> Ranks:
     return Ranks()
 
 
+def fastapi_app(asgi: Any) -> Any:
+    """The FastAPI app inside the router's middlewares."""
+    while not hasattr(asgi, "state"):
+        asgi = asgi.app
+    return asgi
+
+
 async def start(ranks: Ranks, n: int = 3, **kwargs: Any) -> tuple[httpx.AsyncClient, Router]:
     args = RouterArgs(
         worker_urls=tuple(f"http://r{i}" for i in range(n)),
@@ -107,7 +114,7 @@ async def start(ranks: Ranks, n: int = 3, **kwargs: Any) -> tuple[httpx.AsyncCli
         **kwargs,
     )
     app = create_app(args)
-    router: Router = (app.app if args.api_key else app).state.router
+    router: Router = fastapi_app(app).state.router
     transport = httpx.MockTransport(ranks)
     await router.client.aclose()
     router.client = httpx.AsyncClient(transport=transport)
@@ -164,7 +171,7 @@ async def test_when_every_rank_is_full_the_last_503_reaches_the_client(ranks: Ra
     ranks.behaviour.update({0: "503", 1: "503", 2: "503"})
     r = await client.post("/v1/chat/completions", json={"messages": []})
     assert r.status_code == 503
-    assert r.json()["message"].endswith("is full") and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["message"].endswith("is full") and r.headers["retry-after"] == "1"
     assert len(ranks.seen) == 3  # each rank once, then there is nobody left to try
     assert metric(scrape_app(router), "berth:router_retries_total") == 2
     # 503 is not ill health: the ranks stay in rotation.
@@ -175,9 +182,9 @@ async def test_retries_are_bounded(ranks: Ranks) -> None:
     client, _ = await start(ranks, max_retries=0)
     ranks.behaviour.update({0: "refuse", 1: "refuse", 2: "refuse"})
     r = await client.post("/v1/completions", json={"prompt": "x"})
-    assert r.status_code == 503 and r.json()["code"] == "no_available_workers"
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_available_workers"
     assert len(ranks.seen) == 1
-    assert set(r.json()) == {"object", "message", "type", "param", "code"}
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
 async def test_a_pinned_request_is_never_moved(ranks: Ranks) -> None:
@@ -185,12 +192,15 @@ async def test_a_pinned_request_is_never_moved(ranks: Ranks) -> None:
     ranks.behaviour[1] = "refuse"
     r = await client.post("/v1/completions", json={"prompt": "x"}, headers=pinned(1))
     assert r.status_code == 503
-    assert r.json()["code"] == "rank_unavailable" and r.json()["param"] == "X-Data-Parallel-Rank"
+    assert (
+        r.json()["error"]["code"] == "rank_unavailable"
+        and r.json()["error"]["param"] == "X-Data-Parallel-Rank"
+    )
     assert [q.url.host for q in ranks.seen] == ["r1"]
     # Pinned to a full rank, the rank's own 503 comes back.
     ranks.behaviour[2] = "503"
     r = await client.post("/v1/completions", json={"prompt": "x", "routed_dp_rank": 2})
-    assert r.status_code == 503 and r.json()["message"] == "rank 2 is full"
+    assert r.status_code == 503 and r.json()["error"]["message"] == "rank 2 is full"
 
 
 async def test_a_stream_that_breaks_after_it_started_ends_with_an_error_event(
@@ -205,7 +215,7 @@ async def test_a_stream_that_breaks_after_it_started_ends_with_an_error_event(
     events = [line for line in r.text.split("\n") if line.startswith("data: ")]
     assert events[:2] == ['data: {"text": "a"}', 'data: {"text": "b"}']
     error = json.loads(events[2].removeprefix("data: "))["error"]
-    assert error["object"] == "error" and "failed while streaming" in error["message"]
+    assert error["type"] == "InternalServerError" and "failed while streaming" in error["message"]
     assert events[3] == "data: [DONE]"
     samples = scrape_app(router)
     assert metric(samples, "berth:router_upstream_errors_total", reason="stream_broken") == 1
@@ -243,16 +253,31 @@ async def test_bad_pins_and_unknown_routes_are_openai_errors(ranks: Ranks) -> No
         await client.post("/generate", json={"text": "x"}, headers={"X-Data-Parallel-Rank": "a"}),
         await client.get("/v2/nothing"),
     ):
-        body = response.json()
         assert response.status_code in (400, 404)
-        assert set(body) == {"object", "message", "type", "param", "code"}
+        assert set(response.json()) == {"error"}
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert ranks.seen == []
+
+
+async def test_hostile_bodies_are_refused_before_any_rank_sees_them(ranks: Ranks) -> None:
+    client, _ = await start(ranks, max_request_body_mb=1)
+    json_type = {"content-type": "application/json"}
+    for content, status in (
+        (b"[" * 100_000 + b"]" * 100_000, 400),
+        (b'{"prompt": "\\ud800"}', 400),
+        (b'{"prompt": "x", "priority": 123456789012345678901234567890}', 400),
+        (b'{"prompt": "' + b"x" * 2**20 + b'"}', 413),
+    ):
+        r = await client.post("/v1/completions", content=content, headers=json_type)
+        assert r.status_code == status, r.text
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert ranks.seen == []
 
 
 async def test_api_key_guards_everything_but_probes_and_metrics(ranks: Ranks) -> None:
     client, _ = await start(ranks, api_key="s3cret")
     r = await client.get("/v1/models")
-    assert r.status_code == 401 and r.json()["type"] == "AuthenticationError"
+    assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
     for path in ("/health", "/liveness", "/readiness", "/metrics"):
         assert (await client.get(path)).status_code == 200, path
     ok = await client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
@@ -270,7 +295,7 @@ async def test_readiness_waits_for_the_worker_list(ranks: Ranks) -> None:
     health = await client.get("/health")
     assert health.status_code == 503 and health.json()["reason"] == "no rank is known yet"
     r = await client.post("/v1/completions", json={"prompt": "x"})
-    assert r.status_code == 503 and r.json()["code"] == "no_available_workers"
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_available_workers"
 
 
 async def test_flush_and_abort_fan_out_to_every_rank(ranks: Ranks) -> None:

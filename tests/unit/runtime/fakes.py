@@ -12,7 +12,7 @@ import functools
 import importlib.util
 import json
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -29,6 +29,8 @@ MODEL = "smollm2"
 REPLY = "The capital of France is Paris."
 STOP = FinishReason("stop", matched_token=2)
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+T = TypeVar("T")
 
 
 @functools.cache
@@ -116,6 +118,13 @@ class FakeTokenizerManager:
         self.received: list[GenerateReqInput] = []
         self.ended: list[str] = []  # rids whose generator ran its cleanup to the end
         self.closed_early: list[str] = []  # ... of those, closed before their final output
+
+    async def run_tokenizer(self, fn: Callable[..., T], *args: object) -> T:
+        return fn(*args)
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        if chars > self.context_len * 64:
+            raise RequestError("too long", param=param, code="context_length_exceeded")
 
     async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[RequestOutput]:
         self.received.append(obj)

@@ -188,7 +188,7 @@ def test_validation_error_strips_the_body_prefix_and_lists_every_error() -> None
     )
     assert err.param == "messages"
     assert err.message == "messages.0.content: bad part; n: too big"
-    assert err.body()["type"] == "BadRequestError"
+    assert err.body()["error"]["type"] == "BadRequestError"
     assert validation_error([{"loc": ("body",), "msg": "not an object"}]).param is None
 
 

@@ -146,8 +146,8 @@ async def test_a_chat_template_error_is_a_400(
     monkeypatch.setattr(tokenizer, "chat_template", template)
     response = await post_chat(http)
     assert response.status_code == 400
-    assert response.json()["param"] == "messages"
-    assert "Conversation roles must alternate" in response.json()["message"]
+    assert response.json()["error"]["param"] == "messages"
+    assert "Conversation roles must alternate" in response.json()["error"]["message"]
 
 
 async def test_n_choices_get_their_own_rids_and_seeds(
@@ -205,7 +205,7 @@ async def test_a_bad_rank_header_is_a_400(
         "/v1/chat/completions", json={"messages": USER}, headers={"X-Data-Parallel-Rank": rank}
     )
     assert response.status_code == 400
-    assert response.json()["param"] == "X-Data-Parallel-Rank"
+    assert response.json()["error"]["param"] == "X-Data-Parallel-Rank"
     assert tm.received == []
 
 
@@ -216,11 +216,12 @@ async def test_an_unknown_model_is_a_404(http: httpx.AsyncClient, tm: FakeTokeni
     response = await post_chat(http, model="gpt-4o")
     assert response.status_code == 404
     assert response.json() == {
-        "object": "error",
-        "message": "The model `gpt-4o` does not exist; this server serves `smollm2`.",
-        "type": "NotFoundError",
-        "param": "model",
-        "code": "model_not_found",
+        "error": {
+            "message": "The model `gpt-4o` does not exist; this server serves `smollm2`.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": "model_not_found",
+        }
     }
     assert tm.received == []
 
@@ -242,8 +243,8 @@ async def test_invalid_fields_are_400s_naming_the_field(
 ) -> None:
     response = await post_chat(http, **fields)
     assert response.status_code == 400
-    assert response.json()["param"] == param
-    assert response.json()["object"] == "error"
+    assert response.json()["error"]["param"] == param
+    assert response.json()["error"]["message"]
 
 
 async def test_an_engine_rejection_is_a_plain_http_error_even_when_streaming(
@@ -253,7 +254,7 @@ async def test_an_engine_rejection_is_a_plain_http_error_even_when_streaming(
     response = await post_chat(http, rid="r", stream=True)
     assert response.status_code == 503
     assert response.headers["content-type"] == "application/json"
-    assert response.json()["message"] == "The request queue is full."
+    assert response.json()["error"]["message"] == "The request queue is full."
 
 
 async def test_one_rejected_choice_aborts_the_others(
@@ -272,7 +273,7 @@ async def test_an_aborted_request_is_an_error_with_the_abort_status(
     tm.finish = FinishReason("abort", message="engine died", status_code=500)
     response = await post_chat(http)
     assert response.status_code == 500
-    assert response.json()["message"] == "engine died"
+    assert response.json()["error"]["message"] == "engine died"
     with pytest.raises(openai.InternalServerError, match="engine died"):
         await sdk.chat.completions.create(model=MODEL, messages=USER)
 
@@ -284,7 +285,7 @@ async def test_an_abort_in_the_first_output_is_a_plain_http_error_even_when_stre
     tm.finish = FinishReason("abort", message="The request queue is full.", status_code=503)
     response = await post_chat(http, stream=True, n=2)
     assert response.status_code == 503
-    assert response.json()["message"] == "The request queue is full."
+    assert response.json()["error"]["message"] == "The request queue is full."
 
 
 async def test_an_abort_mid_stream_is_an_error_event_then_done(
@@ -297,7 +298,6 @@ async def test_an_abort_mid_stream_is_an_error_event_then_done(
     assert events[-1] == "[DONE]"
     assert events[-2] == {
         "error": {
-            "object": "error",
             "message": "aborted by request",
             "type": "BadRequestError",
             "param": None,

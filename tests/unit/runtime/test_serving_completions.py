@@ -147,13 +147,13 @@ async def test_max_tokens_zero_with_echo_returns_just_the_prompt(
 
 async def test_an_empty_prompt_is_a_400(http: httpx.AsyncClient, tm: FakeTokenizerManager) -> None:
     response = await complete(http, prompt=[])
-    assert (response.status_code, response.json()["param"]) == (400, "prompt")
+    assert (response.status_code, response.json()["error"]["param"]) == (400, "prompt")
     assert tm.received == []
 
 
 async def test_an_unknown_model_is_a_404(http: httpx.AsyncClient) -> None:
     response = await complete(http, model="davinci")
-    assert (response.status_code, response.json()["code"]) == (404, "model_not_found")
+    assert (response.status_code, response.json()["error"]["code"]) == (404, "model_not_found")
 
 
 async def test_stream_chunks_with_echo_and_usage(
