@@ -245,12 +245,18 @@ class LeastLoad(Policy):
         return Decision(rank, LEAST_LOAD)
 
 
+# The shortest prefix match that routes a request to its holder: about a dozen tokens.
+MIN_MATCH_CHARS = 48
+
+
 class CacheAware(Policy):
     """SGLang's cache-aware policy (sgl-model-gateway `cache_aware.rs`) over a shared tree.
 
     Imbalanced loads (max - min > abs threshold and max > min * rel threshold) go to the
     least-loaded rank. Otherwise the rank holding the longest matching prefix wins when the
-    match covers more than `cache_threshold` of the text; else the least-loaded rank (equal loads
+    match covers more than `cache_threshold` of the text and at least MIN_MATCH_CHARS characters
+    (a few shared characters save no work worth a worse placement: short distinct prompts
+    spread by load); else the least-loaded rank (equal loads
     take turns, so unrelated prompts spread). Either way the text is then remembered under the
     chosen rank.
     """
@@ -285,7 +291,7 @@ class CacheAware(Policy):
         else:
             matched, holders = self.tree.match(text, loads)
             rate = matched / len(text) if text else 0.0
-            if holders and rate > self.cache_threshold:
+            if holders and rate > self.cache_threshold and matched >= MIN_MATCH_CHARS:
                 # Several ranks hold it: the least loaded, then the most recently used.
                 rank = min(holders, key=lambda r: (loads[r], -holders[r], r))
                 decision = Decision(rank, PREFIX_HIT, rate)

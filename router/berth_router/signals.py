@@ -33,6 +33,10 @@ class RouteSignals:
     text: str = ""
 
 
+# Ends each chat message in the routing text (ASCII's record separator: never in real text).
+MESSAGE_END = "\x1e"
+
+
 def read_signals(path: str, body: bytes, headers: Mapping[str, str]) -> RouteSignals:
     """Signals of one generation request; as in the runtime, a body field wins over its header."""
     try:
@@ -92,8 +96,9 @@ def _header(headers: Mapping[str, str], name: str) -> str | None:
 
 def routing_text(path: str, payload: Mapping[str, Any]) -> str:
     """A string whose prefixes follow the prompt's: requests that share a prompt prefix share a
-    text prefix. Chat messages are serialized role by role; token ids become one character each;
-    a batch is routed by its first prompt."""
+    text prefix. Chat messages are their contents, each followed by its role (no role marker in
+    front: every request would share it, and unrelated short prompts would look alike); token ids
+    become one character each; a batch is routed by its first prompt."""
     if path.endswith("/chat/completions"):
         return _chat_text(payload.get("messages"))
     if path.endswith("/completions"):
@@ -118,7 +123,10 @@ def _chat_text(messages: Any) -> str:
             content = "".join(
                 p.get("text", "") for p in content if isinstance(p, dict) and p.get("text")
             )
-        parts.append(f"<|{message.get('role', '')}|>{content if content is not None else ''}\n")
+        # The role after the content: it still tells a system prompt from the same user words,
+        # without a marker that every conversation starts with.
+        role = message.get("role", "")
+        parts.append(f"{content if content is not None else ''}{MESSAGE_END}{role}{MESSAGE_END}")
     return "".join(parts)
 
 

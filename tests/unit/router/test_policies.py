@@ -12,6 +12,7 @@ from berth_router.policies import (
     LEAST_LOAD,
     LOAD_FALLBACK_IMBALANCED,
     LOAD_FALLBACK_MISS,
+    MIN_MATCH_CHARS,
     PREFIX_HIT,
     ROUND_ROBIN,
     CacheAware,
@@ -23,6 +24,7 @@ from berth_router.policies import (
     make_policy,
     rendezvous_order,
 )
+from berth_router.signals import routing_text
 
 
 def idle(*ranks: int) -> list[Candidate]:
@@ -173,6 +175,32 @@ def test_cache_aware_spreads_unrelated_prompts_over_idle_ranks() -> None:
         for i in range(6)
     ]
     assert sorted(Counter(ranks).values()) == [2, 2, 2]
+
+
+def test_short_distinct_chat_prompts_spread_instead_of_piling_on_one_rank() -> None:
+    # Every chat shares its template's role markers, and short prompts share a letter or two;
+    # neither is a prefix worth following, so idle ranks take turns.
+    policy = CacheAware()
+    prompts = ["Hi", "Hello", "Hey there", "How are you?", "Help", "Hm", "Hola", "Howdy", "Hiya"]
+    decisions = [
+        policy.select(
+            routing_text("/v1/chat/completions", {"messages": [{"role": "user", "content": p}]}),
+            idle(0, 1, 2),
+        )
+        for p in prompts
+    ]
+    assert {d.decision for d in decisions} == {LOAD_FALLBACK_MISS}
+    assert sorted(Counter(d.rank for d in decisions).values()) == [3, 3, 3]
+
+
+def test_a_prefix_match_under_min_match_chars_never_decides() -> None:
+    policy = CacheAware(cache_threshold=0.3)
+    policy.select("x" * (MIN_MATCH_CHARS - 1) + "-first", idle(0, 1))
+    short = policy.select("x" * (MIN_MATCH_CHARS - 1) + "+", idle(0, 1))
+    assert short.decision == LOAD_FALLBACK_MISS and short.match_rate > 0.9
+    policy.select("y" * MIN_MATCH_CHARS + "-first", idle(0, 1))
+    long = policy.select("y" * MIN_MATCH_CHARS + "+", idle(0, 1))
+    assert long.decision == PREFIX_HIT
 
 
 def test_cache_aware_below_threshold_takes_the_least_loaded_rank() -> None:
