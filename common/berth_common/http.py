@@ -56,7 +56,7 @@ def add_error_handlers(app: FastAPI, internal_error: str) -> None:
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        error_id = uuid.uuid4().hex[:16]
+        error_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         logger.error(
             "%s %s failed (error id %s)",
             request.method,
@@ -104,3 +104,54 @@ class DrainingServer(uvicorn.Server):
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True
         self.should_exit = True
+
+
+REQUEST_ID_HEADER = b"x-request-id"
+MAX_REQUEST_ID_LENGTH = 128
+access_logger = logging.getLogger("berth.access")
+
+
+class RequestIdMiddleware:
+    """Every request has an id, in the `X-Request-Id` header of its response: the client's own
+    (echoed), or a new one. It is set on the request too, so the router hands it to the rank and
+    one id follows a request through both; the access log line and a 500's message carry it."""
+
+    def __init__(self, app: Any, *, access_log: bool) -> None:
+        self.app = app
+        self.access_log = access_log
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = [(k, v) for k, v in scope.get("headers") or [] if k != REQUEST_ID_HEADER]
+        given = next((v for k, v in scope.get("headers") or [] if k == REQUEST_ID_HEADER), b"")
+        request_id = given if _usable_id(given) else uuid.uuid4().hex.encode()
+        scope = {**scope, "headers": [*headers, (REQUEST_ID_HEADER, request_id)]}
+        status = 0
+
+        async def send_with_id(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (REQUEST_ID_HEADER, request_id)]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            if self.access_log:
+                client = scope.get("client") or ("-", 0)
+                access_logger.info(
+                    '%s:%s - "%s %s" %s request_id=%s',
+                    client[0],
+                    client[1],
+                    scope["method"],
+                    scope["path"],
+                    status or "-",
+                    request_id.decode(),
+                )
+
+
+def _usable_id(value: bytes) -> bool:
+    return 0 < len(value) <= MAX_REQUEST_ID_LENGTH and all(33 <= c < 127 for c in value)

@@ -51,7 +51,14 @@ HOP_BY_HOP = frozenset(
     }
 )
 REQUEST_DROP = HOP_BY_HOP | {"host", "content-length"}
-RESPONSE_DROP = HOP_BY_HOP | {"date", "server", DP_RANK_HEADER.lower(), "x-berth-route"}
+# x-request-id: the rank echoes the id the router gave it; the router's middleware sets it once.
+RESPONSE_DROP = HOP_BY_HOP | {
+    "date",
+    "server",
+    DP_RANK_HEADER.lower(),
+    "x-berth-route",
+    "x-request-id",
+}
 ROUTE_HEADER = "X-Berth-Route"
 PINNED = "pinned"
 ROUTING_KEY = "routing_key"

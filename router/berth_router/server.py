@@ -19,7 +19,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from berth_common.auth import ApiKeyMiddleware
 from berth_common.body_guard import BodyGuardMiddleware
 from berth_common.errors import RequestError
-from berth_common.http import DrainingServer, add_error_handlers, error_response, uvicorn_config
+from berth_common.http import (
+    DrainingServer,
+    RequestIdMiddleware,
+    add_error_handlers,
+    error_response,
+    uvicorn_config,
+)
 from berth_common.logging import configure_logging
 from berth_common.process import set_process_title
 from berth_router import __version__
@@ -208,7 +214,7 @@ def create_app(args: RouterArgs, kube: KubeConfig | None = None) -> Any:
     asgi: Any = BodyGuardMiddleware(app, lambda: body_limit)
     if args.api_key:
         asgi = ApiKeyMiddleware(asgi, args.api_key, OPEN_PATHS)
-    return asgi
+    return RequestIdMiddleware(asgi, access_log=args.log_level == "debug")
 
 
 async def _fanout(router: Router, request: Request, path: str) -> dict[int, tuple[int, Any]]:

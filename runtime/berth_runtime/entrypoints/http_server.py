@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from berth_common.auth import ApiKeyMiddleware
 from berth_common.body_guard import BodyGuardMiddleware
 from berth_common.errors import RequestError
-from berth_common.http import add_error_handlers, error_response
+from berth_common.http import RequestIdMiddleware, add_error_handlers, error_response
 from berth_runtime import __version__
 from berth_runtime.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -227,6 +227,16 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
         state.require_ready()
         return await state.serving_completion.handle_request(request, raw_request)
 
+    @app.post("/v1/embeddings")
+    async def embeddings() -> Response:
+        raise RequestError(
+            f"`{state.args.model_name}` is a text-generation model: this server serves no "
+            "embeddings",
+            HTTPStatus.NOT_FOUND,
+            param="model",
+            code="model_not_supported",
+        )
+
     @app.post("/generate")
     async def generate(raw_request: Request) -> Response:
         state.require_ready()
@@ -261,8 +271,8 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
         asgi = RankHeaderMiddleware(asgi, state.args.dp_rank)
     if state.args.api_key:
         asgi = ApiKeyMiddleware(asgi, state.args.api_key, OPEN_PATHS)
-    # Outermost, so that rejected (401) requests are counted too.
-    return HttpMetricsMiddleware(asgi, state.metrics)
+    # Outermost, so that rejected (401) requests are counted and carry their id too.
+    return RequestIdMiddleware(HttpMetricsMiddleware(asgi, state.metrics), access_log=True)
 
 
 def _health(state: ServerState) -> tuple[bool, str]:

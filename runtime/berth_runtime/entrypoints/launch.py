@@ -105,18 +105,15 @@ class BerthServer(uvicorn.Server):
         self.exit_code = 0
         self._drain_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_signals = 0  # SIGTERM/SIGINT received by this process itself
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if self._loop is None or self.state.phase != "ready":
+        self._stop_signals += 1
+        if self._stop_signals > 1:  # a second one: stop now
             self.should_exit = True
-            if self._drain_task is not None:
-                self.force_exit = True
+            self.force_exit = True
             return
-        logger.info("Received %s: draining", signal.Signals(sig).name)
-        self.state.phase = "draining"
-        self.state.reason = "shutting down"
-        self.state.tokenizer_manager.draining = True
-        self._loop.call_soon_threadsafe(self._start_drain)
+        self._begin_drain(f"Received {signal.Signals(sig).name}")
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -129,10 +126,22 @@ class BerthServer(uvicorn.Server):
             signal.signal(DRAIN_REQUEST, signal.SIG_IGN)
 
     def _drain_requested(self, sig: int, frame: Any) -> None:
+        # With a signal to the whole group, this request and the process's own SIGTERM arrive
+        # together, in either order (Python runs SIGUSR1's handler before SIGTERM's): whichever
+        # comes first starts the one drain, and neither counts as a second signal.
+        self._begin_drain("A child process was asked to stop")
+
+    def _begin_drain(self, cause: str) -> None:
         if self.state.phase == "draining" or self.should_exit:
             return
-        logger.info("A child process was asked to stop")
-        self.handle_exit(sig, frame)
+        if self._loop is None or self.state.phase != "ready":
+            self.should_exit = True  # still loading (or failed): nothing to drain
+            return
+        logger.info("%s: draining", cause)
+        self.state.phase = "draining"
+        self.state.reason = "shutting down"
+        self.state.tokenizer_manager.draining = True
+        self._loop.call_soon_threadsafe(self._start_drain)
 
     def _start_drain(self) -> None:
         self._drain_task = asyncio.get_running_loop().create_task(self._drain())
@@ -196,7 +205,7 @@ def launch_server(args: ServerArgs) -> int:
         port=args.port,
         log_level=args.log_level,
         graceful_shutdown_s=5,
-        access_log=True,
+        access_log=False,  # RequestIdMiddleware writes the access log, with each request's id
     )
     server = BerthServer(config, state)
     try:

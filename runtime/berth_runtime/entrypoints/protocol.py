@@ -1,8 +1,10 @@
 """The OpenAI wire protocol: request, response and stream-chunk models of chat and completions.
 
-Requests accept and ignore unknown fields (clients send extras such as `tools` or `best_of`),
-treat an explicit `null` as "not set", and validate the types and bounds of the fields they know,
-so that a bad value is a 400 whose `param` names the field (see `validation_error`).
+Requests treat an explicit `null` as "not set" and validate the types and bounds of the fields
+they know, so that a bad value is a 400 whose `param` names the field (see `validation_error`).
+Every OpenAI parameter is honoured, accepted where it changes nothing here (`NO_EFFECT`: the
+README lists them), or refused with a 400 naming it (`unsupported`) unless it asks for nothing
+(`tools: []`, `response_format: {"type": "text"}`). Fields OpenAI does not have are ignored.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ class StreamOptions(OpenAIBaseModel):
 class ChatMessage(OpenAIBaseModel):
     """One message; a list of text parts is joined with newlines into one string on input."""
 
-    role: Literal["system", "user", "assistant", "tool"]
+    # `developer` is OpenAI's newer name for `system` (the openai SDK's own examples send it).
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str = ""
 
     @field_validator("content", mode="before")
@@ -102,7 +105,12 @@ class SamplingRequest(OpenAIBaseModel):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    user: str | None = None  # accepted, unused
+    # OpenAI parameters that change nothing here (NO_EFFECT), accepted so that clients which
+    # always send them work.
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Berth extensions: a request id, and routing signals for the DP router.
@@ -118,6 +126,36 @@ class SamplingRequest(OpenAIBaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    # Refused unless they ask for nothing (see `unsupported`); tools and response formats are
+    # another issue's (#17).
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    parallel_tool_calls: bool | None = None  # no effect without tools
+
+    @field_validator(
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "response_format",
+        "audio",
+        "modalities",
+        "prediction",
+        "web_search_options",
+        "reasoning_effort",
+    )
+    @classmethod
+    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        return unsupported(info.field_name, value)
+
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI, still sent by many clients
     max_completion_tokens: int | None = Field(None, ge=1)  # wins over max_tokens
     logprobs: bool = False
@@ -143,6 +181,22 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int = Field(16, ge=0)  # 0 with echo scores a prompt
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
+    suffix: Any = None
+    best_of: int | None = Field(None, ge=1)
+
+    @field_validator("suffix")
+    @classmethod
+    def _refuse_suffix(cls, value: Any, info: ValidationInfo) -> Any:
+        return unsupported(info.field_name, value)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        # best_of == n asks for nothing more than n; more would rank candidates, which this
+        # server does not do.
+        if best_of is not None and best_of != info.data.get("n", 1):
+            raise ValueError("best_of other than n is not supported: use n")
+        return best_of
 
     @field_validator("prompt")
     @classmethod
@@ -163,15 +217,54 @@ def _split_prompts(prompt: Any) -> list[Any]:
     return list(prompt)
 
 
+# OpenAI parameters accepted with no effect here, and why (the README lists them too).
+NO_EFFECT = {
+    "user": "no per-user tracking or abuse monitoring",
+    "store": "nothing is stored: no completions API for stored completions",
+    "metadata": "only meaningful for stored completions",
+    "service_tier": "one tier",
+    "parallel_tool_calls": "no tools yet",
+}
+
+# What each refused parameter may be set to, because it then asks for nothing.
+HARMLESS: dict[str, tuple[Any, ...]] = {
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "suffix": ("",),
+}
+
+
+def unsupported(name: str, value: Any) -> Any:
+    """Refuse a parameter this server cannot honour, unless its value asks for nothing."""
+    if value in HARMLESS.get(name, ()):
+        return value
+    raise ValueError(f"{name} is not supported by this server")
+
+
 def validation_error(errors: Sequence[Mapping[str, Any]]) -> RequestError:
-    """The 400 for pydantic errors of a request body; `param` is the first offending field."""
+    """The 400 for pydantic errors of a request body; `param` is the first offending field,
+    dotted (`messages.0.content`)."""
     locs = [tuple(err["loc"])[1:] if err["loc"][:1] == ("body",) else err["loc"] for err in errors]
     details = [
         f"{'.'.join(str(part) for part in loc) or 'body'}: {err['msg']}"
         for loc, err in zip(locs, errors, strict=True)
     ]
-    params = [str(loc[0]) for loc in locs if loc]
+    params = [_dotted(loc) for loc in locs if loc]
     return RequestError("; ".join(details), param=params[0] if params else None)
+
+
+def _dotted(loc: Sequence[Any]) -> str:
+    # pydantic adds the member of a union it tried (`str`, `list[...]`) and `[key]` for a bad
+    # dict key: neither is part of the field's path.
+    parts = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in TYPE_NAMES))]
+    return ".".join(parts)
+
+
+TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "function-after"})
 
 
 # --- responses ------------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ class OpenAIServingChat(OpenAIServingBase[ChatCompletionRequest]):
         )
         try:
             prompt = tokenizer.apply_chat_template(
-                [message.model_dump() for message in messages],
+                [template_message(message) for message in messages],
                 add_generation_prompt=True,
                 tokenize=False,
             )
@@ -156,3 +156,9 @@ def chat_logprobs(out: Output) -> ChoiceLogprobs:
 
 def _utf8(token: str) -> list[int]:
     return list(token.encode("utf-8"))
+
+
+def template_message(message: ChatMessage) -> dict[str, str]:
+    """A message as the chat template takes it: `developer` is `system` by its older name."""
+    role = "system" if message.role == "developer" else message.role
+    return {"role": role, "content": message.content}

@@ -116,6 +116,17 @@ def test_pinning_by_header_and_by_body_field(router: RunningRouter, model: str) 
     assert served_by(both) == 1
 
 
+def test_one_request_id_through_the_router_and_the_rank(
+    router: RunningRouter, ranks: list[RunningServer], model: str
+) -> None:
+    response = complete(router.base_url, model, "x", headers={"X-Request-Id": "trace-7"})
+    assert response.headers.get_list("x-request-id") == ["trace-7"]
+    assert "request_id=trace-7" in ranks[served_by(response)].output()
+    fresh = complete(router.base_url, model, "x")
+    assert len(fresh.headers.get_list("x-request-id")) == 1
+    assert f"request_id={fresh.headers['x-request-id']}" in ranks[served_by(fresh)].output()
+
+
 def test_pinning_a_rank_that_does_not_exist_is_400(router: RunningRouter, model: str) -> None:
     body = assert_openai_error(
         complete(router.base_url, model, "x", headers={"X-Data-Parallel-Rank": "3"}),

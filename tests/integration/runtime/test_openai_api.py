@@ -214,8 +214,85 @@ def test_a_request_pinned_to_another_rank_is_refused(http: httpx.Client):
     ):
         response = http.post("/v1/chat/completions", **{"json": body, **pin})
         assert response.status_code == 400, response.text
-        error = response.json()
+        error = response.json()["error"]
         assert error["param"] == "routed_dp_rank" and "another rank" in error["message"]
     native = http.post("/generate", json={"text": "Hi", "routed_dp_rank": 2})
     assert native.status_code == 400 and native.json()["error"]["param"] == "routed_dp_rank"
     assert http.post("/v1/chat/completions", json={**body, "routed_dp_rank": 0}).status_code == 200
+
+
+# --- what OpenAI clients trip on ---------------------------------------------------------------
+
+
+def test_developer_messages_work_as_system_messages(client: openai.OpenAI):
+    def answer(role: str) -> str:
+        resp = client.chat.completions.create(
+            model=MODEL,
+            messages=[
+                {"role": role, "content": "Answer with one word."},
+                {"role": "user", "content": "What colour is the sky?"},
+            ],
+            max_tokens=8,
+            temperature=0,
+        )
+        return resp.choices[0].message.content or ""
+
+    assert answer("developer") == answer("system")
+
+
+def test_every_response_carries_a_request_id_and_echoes_the_clients(
+    client: openai.OpenAI, http: httpx.Client
+):
+    resp = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert resp.request_id and len(resp.request_id) >= 16  # the SDK's `_request_id`
+    mine = http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+        headers={"X-Request-Id": "trace-42"},
+    )
+    assert mine.headers["x-request-id"] == "trace-42"
+    error = http.get("/v1/embeddings", headers={"X-Request-Id": "trace-43"})
+    assert error.status_code in (404, 405) and error.headers["x-request-id"] == "trace-43"
+
+
+def test_parameters_it_cannot_honour_are_refused_naming_them(client: openai.OpenAI):
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=[tool]
+        )
+    assert info.value.param == "tools" and "not supported" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="Once", suffix=" the end.", max_tokens=4)
+    assert info.value.param == "suffix"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="Once", best_of=3, max_tokens=4)
+    assert info.value.param == "best_of"
+    # Accepted: parameters that change nothing here.
+    ok = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        user="u-1",
+        store=False,
+        metadata={"team": "a"},
+        service_tier="auto",
+    )
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_a_context_overflow_is_the_error_clients_recognise(client: openai.OpenAI):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello " * 9000}]
+        )
+    assert info.value.code == "context_length_exceeded"
+    assert "maximum context length" in info.value.message
+
+
+def test_embeddings_say_this_model_serves_none(client: openai.OpenAI):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.embeddings.create(model=MODEL, input="hi")
+    assert info.value.code == "model_not_supported" and "no embeddings" in info.value.message

@@ -30,6 +30,7 @@ from berth_runtime.entrypoints.protocol import (
     UsageInfo,
     validation_error,
 )
+from berth_runtime.entrypoints.serving_chat import template_message
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -65,9 +66,42 @@ def test_text_parts_are_joined_and_null_means_unset() -> None:
     assert (request.model, request.n, request.temperature) == (None, 1, 1.0)
 
 
-def test_unknown_fields_are_ignored() -> None:
-    request = chat(tools=[{"type": "function"}], response_format={"type": "text"}, best_of=3)
-    assert "tools" not in request.model_dump()
+def test_fields_openai_does_not_have_are_ignored() -> None:
+    request = chat(vendor_extension={"x": 1}, best_of=3)  # best_of is a completions parameter
+    assert "vendor_extension" not in request.model_dump() and "best_of" not in request.model_dump()
+
+
+def test_openai_parameters_that_ask_for_nothing_or_change_nothing_are_accepted() -> None:
+    request = chat(
+        tools=[],
+        tool_choice="none",
+        response_format={"type": "text"},
+        modalities=["text"],
+        user="u-1",
+        store=False,
+        metadata={"k": "v"},
+        service_tier="auto",
+        parallel_tool_calls=True,
+    )
+    assert request.user == "u-1" and request.tools == []
+
+
+def test_developer_messages_are_system_messages_to_the_template() -> None:
+    request = chat(messages=[{"role": "developer", "content": "Be terse."}, *USER])
+    assert template_message(request.messages[0]) == {"role": "system", "content": "Be terse."}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"suffix": " the end"}, "suffix"),
+        ({"best_of": 3}, "best_of"),
+        ({"best_of": 2, "n": 3}, "best_of"),
+    ],
+)
+def test_completion_parameters_it_cannot_honour_are_refused(fields: dict, param: str) -> None:
+    assert rejected_param(CompletionRequest, {"prompt": "x", **fields}) == param
+    assert CompletionRequest.model_validate({"prompt": "x", "suffix": "", "best_of": 1, "n": 1})
 
 
 def test_image_parts_are_rejected_with_a_clear_message() -> None:
@@ -79,7 +113,7 @@ def test_image_parts_are_rejected_with_a_clear_message() -> None:
     with pytest.raises(ValidationError) as info:
         ChatCompletionRequest.model_validate(body)
     err = validation_error(info.value.errors())
-    assert err.param == "messages"
+    assert err.param == "messages.0.content"
     assert "'image_url' are not supported; only text parts are" in err.message
 
 
@@ -87,8 +121,8 @@ def test_image_parts_are_rejected_with_a_clear_message() -> None:
     ("fields", "param"),
     [
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
-        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content"),
         ({"temperature": 2.5}, "temperature"),
         ({"temperature": "hot"}, "temperature"),
         ({"top_p": 0}, "top_p"),
@@ -100,17 +134,22 @@ def test_image_parts_are_rejected_with_a_clear_message() -> None:
         ({"n": 0}, "n"),
         ({"n": 17}, "n"),
         ({"seed": 2**63}, "seed"),
-        ({"logit_bias": {"abc": 1}}, "logit_bias"),
-        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias.abc"),
+        ({"logit_bias": {"5": 101}}, "logit_bias.5"),
         ({"stop": 5}, "stop"),
         ({"stop": ["x"] * 65}, "stop"),
-        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
         ({"min_tokens": -1}, "min_tokens"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"stream_options": {"include_usage": "maybe"}}, "stream_options"),
+        ({"stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"audio": {"voice": "alloy"}}, "audio"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
         ({"rid": ""}, "rid"),
         ({"routed_dp_rank": -1}, "routed_dp_rank"),
         ({"priority": "high"}, "priority"),
@@ -186,7 +225,7 @@ def test_validation_error_strips_the_body_prefix_and_lists_every_error() -> None
             {"loc": ("body", "n"), "msg": "too big"},
         ]
     )
-    assert err.param == "messages"
+    assert err.param == "messages.0.content"
     assert err.message == "messages.0.content: bad part; n: too big"
     assert err.body()["error"]["type"] == "BadRequestError"
     assert validation_error([{"loc": ("body",), "msg": "not an object"}]).param is None

@@ -230,10 +230,10 @@ async def test_an_unknown_model_is_a_404(http: httpx.AsyncClient, tm: FakeTokeni
     ("fields", "param"),
     [
         ({"temperature": 5}, "temperature"),
-        ({"logit_bias": {"not-a-token": 1}}, "logit_bias"),
+        ({"logit_bias": {"not-a-token": 1}}, "logit_bias.not-a-token"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-            "messages",
+            "messages.0.content",
         ),
         ({"n": 100}, "n"),
     ],
