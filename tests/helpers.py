@@ -113,3 +113,17 @@ def scheduler_process(server: RunningServer):
         if "scheduler" in " ".join(proc.cmdline()):
             return proc
     raise AssertionError("no scheduler process found")
+
+
+def live_pids(pids: list[int]) -> list[int]:
+    """The pids still running (a zombie has exited)."""
+    import psutil
+
+    running = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                running.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return running

@@ -21,6 +21,7 @@ from tests.helpers import (
     RunningServer,
     embedded_gguf_dir,
     embedded_model_dir,
+    live_pids,
     wait_for,
 )
 
@@ -74,17 +75,6 @@ def test_bad_flag_value_is_a_usage_error():
     result = serve_fails("--max-running-requests", "0")
     assert result.returncode == 2
     assert "--max-running-requests must be positive" in result.stderr
-
-
-def live_pids(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
 
 
 def ipc_dirs() -> set[str]:

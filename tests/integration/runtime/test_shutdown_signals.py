@@ -15,7 +15,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.helpers import RunningServer, embedded_model_dir, wait_for
+from tests.helpers import RunningServer, embedded_model_dir, live_pids, wait_for
 
 STREAMS = 3
 MAX_TOKENS = 48
@@ -29,18 +29,6 @@ def child_pid(srv: RunningServer, title: str) -> int:
         except (psutil.NoSuchProcess, IndexError):
             continue
     raise AssertionError(f"no berth::{title} child among {srv.child_pids()}")
-
-
-def alive(pids: list[int]) -> list[int]:
-    """The pids still running (a zombie has exited)."""
-    running = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                running.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return running
 
 
 def stream_chat(base_url: str, model: str, i: int, results: dict[int, dict]) -> None:
@@ -128,6 +116,6 @@ def test_a_stop_signal_to_any_process_drains_every_stream_and_exits_0(
                 "error": None,
             }, (i, results[i])
         assert srv.proc.wait(60) == 0
-        wait_for(lambda: not alive(children), 10, what=f"children {alive(children)} to exit")
+        wait_for(lambda: not live_pids(children), 10, what="the children to exit")
     finally:
         srv.stop()
