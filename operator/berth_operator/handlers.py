@@ -41,7 +41,7 @@ def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
 async def close(memo: kopf.Memo, **_: Any) -> None:
     for worker in list(memo.workers.values()):
         await worker.stop()
-    memo.kube.close()
+    await memo.kube.close()
 
 
 @kopf.on.event(c.GROUP, c.VERSION, c.PLURAL)

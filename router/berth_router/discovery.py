@@ -7,8 +7,9 @@ whether that pod is ready: a rank that is not ready (loading, draining, failing 
 probe) leaves rotation as soon as its slice says so, a new rank joins when its Service appears,
 and a removed rank leaves when its Service goes. No restart, no manual list.
 
-Plain httpx against the API server with the pod's service-account token (re-read on every
-reconnect, as bound tokens rotate), so the runtime image needs no Kubernetes client library.
+The API client is `berth_common.kube`, the operator's too: plain httpx with the pod's
+service-account token (read again for every request, as bound tokens rotate), so the router image
+needs no Kubernetes client library.
 """
 
 from __future__ import annotations
@@ -16,19 +17,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import ssl
 from collections.abc import Callable, Mapping
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from berth_common.kube import ApiError, ApiServer, NoApiServer, call, pod_namespace
 from berth_router.workers import Endpoint
 
 logger = logging.getLogger(__name__)
 
-SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 ENDPOINTSLICES = "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
 WATCH_TIMEOUT_S = 290
 BACKOFF_MIN_S = 0.5
@@ -37,10 +36,6 @@ BACKOFF_MAX_S = 30.0
 
 class DiscoveryError(Exception):
     pass
-
-
-class _Expired(Exception):
-    """The watch's resourceVersion is too old (410 Gone): list again."""
 
 
 def parse_selector(selector: str) -> list[tuple[str, str, str | None]]:
@@ -120,57 +115,28 @@ def _slice_port(slice_: Mapping[str, Any], port_name: str) -> int | None:
     return int(ports[0]["port"]) if ports else None
 
 
+@dataclass(frozen=True)
 class KubeConfig:
-    """Where the API server is and how to authenticate to it."""
+    """Which API server to ask, and for which namespace's EndpointSlices."""
 
-    def __init__(
-        self,
-        api_url: str,
-        namespace: str,
-        token_path: Path | None = None,
-        ca_path: Path | None = None,
-    ) -> None:
-        self.api_url = api_url.rstrip("/")
-        self.namespace = namespace
-        self.token_path = token_path
-        self.ca_path = ca_path
+    server: ApiServer
+    namespace: str
 
     @classmethod
     def from_environment(cls, api_url: str | None, namespace: str | None) -> KubeConfig:
-        sa = SERVICE_ACCOUNT_DIR
+        """The pod's API server and namespace, unless the flags name others."""
+        namespace = namespace or pod_namespace()
         if namespace is None:
-            try:
-                namespace = (sa / "namespace").read_text().strip()
-            except OSError:
-                raise DiscoveryError(
-                    "--discover-namespace is required outside a pod (no service-account namespace)"
-                ) from None
-        if api_url is None:
-            host = os.environ.get("KUBERNETES_SERVICE_HOST")
-            port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-            if host:
-                host = f"[{host}]" if ":" in host else host
-                api_url = f"https://{host}:{port}"
-            elif (sa / "token").exists():
-                api_url = "https://kubernetes.default.svc"
-            else:
-                raise DiscoveryError(
-                    "--kube-api-url is required outside a cluster ($KUBERNETES_SERVICE_HOST unset)"
-                )
-        token = sa / "token"
-        ca = sa / "ca.crt"
-        return cls(
-            api_url,
-            namespace,
-            token_path=token if token.exists() else None,
-            ca_path=ca if ca.exists() and api_url.startswith("https") else None,
-        )
-
-    def headers(self) -> dict[str, str]:
-        headers = {"Accept": "application/json"}
-        if self.token_path is not None:
-            headers["Authorization"] = f"Bearer {self.token_path.read_text().strip()}"
-        return headers
+            raise DiscoveryError(
+                "--discover-namespace is required outside a pod (no service-account namespace)"
+            )
+        try:
+            server = ApiServer.in_cluster(api_url)
+        except NoApiServer:
+            raise DiscoveryError(
+                "--kube-api-url is required outside a cluster ($KUBERNETES_SERVICE_HOST unset)"
+            ) from None
+        return cls(server, namespace)
 
 
 class EndpointSliceDiscovery:
@@ -192,16 +158,7 @@ class EndpointSliceDiscovery:
         self.on_change = on_change
         self.slices: dict[str, dict[str, Any]] = {}
         self._last: dict[int, Endpoint] | None = None
-        verify: Any = (
-            ssl.create_default_context(cafile=str(kube.ca_path))
-            if kube.ca_path is not None
-            else True
-        )
-        self.client = httpx.AsyncClient(
-            base_url=kube.api_url,
-            verify=verify,
-            timeout=httpx.Timeout(10.0, read=WATCH_TIMEOUT_S + 30),
-        )
+        self.client = kube.server.client(httpx.Timeout(10.0, read=WATCH_TIMEOUT_S + 30))
         self.path = ENDPOINTSLICES.format(namespace=kube.namespace)
 
     async def run(self) -> None:
@@ -214,9 +171,10 @@ class EndpointSliceDiscovery:
                     version = await self._watch(version)
             except asyncio.CancelledError:
                 raise
-            except _Expired:
-                logger.info("EndpointSlice watch expired; listing again")
             except Exception as e:  # the API server restarts, a network blip, a bad token
+                if isinstance(e, ApiError) and e.expired:
+                    logger.info("EndpointSlice watch expired; listing again")
+                    continue
                 logger.warning(
                     "EndpointSlice discovery failed (%s: %s); retrying in %.1fs",
                     type(e).__name__,
@@ -230,12 +188,7 @@ class EndpointSliceDiscovery:
         await self.client.aclose()
 
     async def _list(self) -> str | None:
-        response = await self.client.get(
-            self.path, params={"labelSelector": self.selector}, headers=self.kube.headers()
-        )
-        if response.status_code != 200:
-            raise DiscoveryError(f"listing EndpointSlices: {response.status_code} {response.text}")
-        body = response.json()
+        body = await call(self.client, "GET", self.path, query={"labelSelector": self.selector})
         self.slices = {}
         for item in body.get("items") or []:
             self._store("ADDED", item)
@@ -252,24 +205,21 @@ class EndpointSliceDiscovery:
         }
         if version:
             params["resourceVersion"] = version
-        async with self.client.stream(
-            "GET", self.path, params=params, headers=self.kube.headers()
-        ) as response:
-            if response.status_code == 410:
-                raise _Expired()
-            if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")
-                raise DiscoveryError(f"watching EndpointSlices: {response.status_code} {body}")
+        async with self.client.stream("GET", self.path, params=params) as response:
+            if not response.is_success:
+                raise ApiError.from_response(
+                    response.status_code, response.reason_phrase, await response.aread()
+                )
             async for line in response.aiter_lines():
                 if not line.strip():
                     continue
                 event = json.loads(line)
                 kind = event.get("type")
                 obj = event.get("object") or {}
-                if kind == "ERROR":
-                    if obj.get("code") == 410:
-                        raise _Expired()
-                    raise DiscoveryError(f"watch error: {obj.get('message') or obj}")
+                if kind == "ERROR":  # a Status object: 410 when the watch's version is too old
+                    raise ApiError(
+                        int(obj.get("code") or 0), obj.get("reason") or "", obj.get("message", "")
+                    )
                 new_version = (obj.get("metadata") or {}).get("resourceVersion")
                 if new_version:
                     version = new_version

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from berth_common.kube import ApiServer, token_reader
 from berth_operator import builders, naming
 from berth_operator import constants as c
 from berth_operator.spec import InferenceService
@@ -569,7 +570,8 @@ def test_the_router_discovers_the_ranks_from_endpoint_slices_with_its_own_token(
     seen: list[dict[int, Endpoint]] = []
 
     async def discover(until: Any) -> dict[int, Endpoint]:
-        kube = KubeConfig(plane.server, flag["--discover-namespace"], token_file, plane.pki.ca.cert)
+        server = ApiServer(plane.server, str(plane.pki.ca.cert), token=token_reader(token_file))
+        kube = KubeConfig(server, flag["--discover-namespace"])
         discovery = EndpointSliceDiscovery(
             kube,
             flag["--discover-selector"],

@@ -13,8 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
+from berth_common import kube as kube_module
 from berth_common.errors import RequestError
-from berth_router import discovery as discovery_module
+from berth_common.kube import ApiServer, token_reader
 from berth_router.args import RouterArgs
 from berth_router.discovery import (
     DiscoveryError,
@@ -424,7 +425,7 @@ async def test_discovery_lists_watches_and_lists_again_when_the_watch_expires(
     token = tmp_path / "token"
     token.write_text("t1")
     seen: list[dict[int, Endpoint]] = []
-    kube = KubeConfig("http://api", "team-a", token_path=token)
+    kube = KubeConfig(ApiServer("http://api", token=token_reader(token)), "team-a")
     discovery = EndpointSliceDiscovery(
         kube,
         "serving.berth.dev/inferenceservice=chat,serving.berth.dev/dp-rank",
@@ -433,9 +434,7 @@ async def test_discovery_lists_watches_and_lists_again_when_the_watch_expires(
         seen.append,
     )
     await discovery.client.aclose()
-    discovery.client = httpx.AsyncClient(
-        base_url="http://api", transport=httpx.MockTransport(handler)
-    )
+    discovery.client = kube.server.client(httpx.Timeout(5.0), httpx.MockTransport(handler))
     task = asyncio.create_task(discovery.run())
     for _ in range(200):
         if len(seen) >= 4:
@@ -467,19 +466,26 @@ async def test_discovery_lists_watches_and_lists_again_when_the_watch_expires(
 def test_in_cluster_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "namespace").write_text("team-b\n")
     (tmp_path / "token").write_text("first")
-    monkeypatch.setattr(discovery_module, "SERVICE_ACCOUNT_DIR", tmp_path)
+    monkeypatch.setattr(kube_module, "SERVICE_ACCOUNT_DIR", tmp_path)
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "6443")
     kube = KubeConfig.from_environment(None, None)
-    assert (kube.api_url, kube.namespace) == ("https://10.96.0.1:6443", "team-b")
-    assert kube.headers()["Authorization"] == "Bearer first"
-    (tmp_path / "token").write_text("rotated")  # bound tokens rotate: read on every connect
-    assert kube.headers()["Authorization"] == "Bearer rotated"
+    assert (kube.server.url, kube.namespace) == ("https://10.96.0.1:6443", "team-b")
+    assert kube.server.headers()["Authorization"] == "Bearer first"
+    (tmp_path / "token").write_text("rotated")  # bound tokens rotate: read for every request
+    assert kube.server.headers()["Authorization"] == "Bearer rotated"
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "fd00::1")
+    assert KubeConfig.from_environment(None, "x").server.url == "https://[fd00::1]:6443"
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
-    assert KubeConfig.from_environment(None, "x").api_url == "https://kubernetes.default.svc"
-    monkeypatch.setattr(discovery_module, "SERVICE_ACCOUNT_DIR", tmp_path / "missing")
+    assert KubeConfig.from_environment(None, "x").server.url == "https://kubernetes.default.svc"
+    monkeypatch.setattr(kube_module, "SERVICE_ACCOUNT_DIR", tmp_path / "missing")
     with pytest.raises(DiscoveryError, match="--discover-namespace"):
         KubeConfig.from_environment(None, None)
     with pytest.raises(DiscoveryError, match="--kube-api-url"):
         KubeConfig.from_environment(None, "x")
-    assert KubeConfig.from_environment("http://127.0.0.1:8001", "x").token_path is None
+    proxy = KubeConfig.from_environment("http://127.0.0.1:8001", "x").server
+    assert (proxy.token, proxy.ca_path, proxy.headers()) == (
+        None,
+        None,
+        {"Accept": "application/json"},
+    )
