@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from berth_common.auth import Keys, resolve_key
 from berth_common.dataclass_cli import DataclassCli
 
 DEFAULT_ROUTER_PORT = 30080
@@ -27,6 +27,22 @@ class RouterArgs(DataclassCli):
             "/liveness, /readiness and /metrics, and send it to the ranks' own endpoints "
             "(default: $BERTH_API_KEY if set)."
         },
+    )
+    api_key_file: str | None = field(
+        default=None,
+        metadata={"help": "Read --api-key from this file (a mounted Secret), once at start."},
+    )
+    admin_api_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "The key for admin routes (/flush_cache, /abort_request with abort_all), "
+            "passed on to the ranks; the serving key cannot call them "
+            "(default: $BERTH_ADMIN_API_KEY if set)."
+        },
+    )
+    admin_api_key_file: str | None = field(
+        default=None,
+        metadata={"help": "Read --admin-api-key from this file, once at start."},
     )
     graceful_shutdown_timeout: float = field(
         default=30.0,
@@ -180,8 +196,16 @@ class RouterArgs(DataclassCli):
             raise ValueError("--graceful-shutdown-timeout must be >= 0")
         if self.max_request_body_mb <= 0:
             raise ValueError("--max-request-body-mb must be positive")
-        if self.api_key is None and os.environ.get("BERTH_API_KEY"):
-            object.__setattr__(self, "api_key", os.environ["BERTH_API_KEY"])
+        api_key = resolve_key("api-key", self.api_key, self.api_key_file, "BERTH_API_KEY")
+        object.__setattr__(self, "api_key", api_key)
+        admin_key = resolve_key(
+            "admin-api-key", self.admin_api_key, self.admin_api_key_file, "BERTH_ADMIN_API_KEY"
+        )
+        object.__setattr__(self, "admin_api_key", admin_key)
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.api_key, self.admin_api_key)
 
     @property
     def discovery(self) -> bool:

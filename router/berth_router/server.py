@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import sys
 from collections.abc import AsyncIterator
@@ -16,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from berth_common.auth import ApiKeyMiddleware
+from berth_common.auth import ApiKeyMiddleware, require_admin
 from berth_common.body_guard import BodyGuardMiddleware
 from berth_common.errors import RequestError
 from berth_common.http import (
@@ -41,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 # Probes and scrapers need no API key.
 OPEN_PATHS = frozenset({"/health", "/liveness", "/readiness", "/metrics"})
+# As on the ranks (which check the same key again): the whole-server routes need the admin key.
+ADMIN_PATHS = frozenset({"/flush_cache"})
 FANOUT_TIMEOUT_S = 10.0
 
 
@@ -149,7 +152,7 @@ def create_app(args: RouterArgs, kube: KubeConfig | None = None) -> Any:
         return ProxyResponse(
             router,
             method=request.method,
-            path=request.url.path,
+            path=_wire_path(request),
             query=request.url.query,
             headers=request.headers.raw,
             body=body,
@@ -161,7 +164,7 @@ def create_app(args: RouterArgs, kube: KubeConfig | None = None) -> Any:
         return ProxyResponse(
             router,
             method=request.method,
-            path=request.url.path,
+            path=_wire_path(request),
             query=request.url.query,
             headers=request.headers.raw,
             body=await request.body(),
@@ -196,11 +199,13 @@ def create_app(args: RouterArgs, kube: KubeConfig | None = None) -> Any:
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         """The router does not know which rank holds a rid: ask every rank."""
+        if await _asks_abort_all(request):
+            require_admin(request, args.keys, param="abort_all")
         results = await _fanout(router, request, "/abort_request")
         found = any(status == 200 for status, _ in results.values())
         return JSONResponse({"success": found}, status_code=200 if found else 404)
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/flush_cache")
     async def flush_cache(request: Request) -> Response:
         """Flush every rank's prefix cache; the router forgets what it thought they held."""
         results = await _fanout(router, request, "/flush_cache")
@@ -212,9 +217,24 @@ def create_app(args: RouterArgs, kube: KubeConfig | None = None) -> Any:
 
     body_limit = int(args.max_request_body_mb * 2**20)
     asgi: Any = BodyGuardMiddleware(app, lambda: body_limit)
-    if args.api_key:
-        asgi = ApiKeyMiddleware(asgi, args.api_key, OPEN_PATHS)
+    asgi = ApiKeyMiddleware(asgi, args.keys, OPEN_PATHS, ADMIN_PATHS)
     return RequestIdMiddleware(asgi, access_log=args.log_level == "debug")
+
+
+def _wire_path(request: Request) -> str:
+    """The path as the client sent it, still percent-encoded: a decoded one (`/v1/models/%1C`
+    -> a control character) is no longer a valid URL to send on."""
+    raw = request.scope.get("raw_path")
+    return raw.decode("latin-1") if raw else request.url.path
+
+
+async def _asks_abort_all(request: Request) -> bool:
+    """Whether an abort body asks for everything (the ranks validate the rest themselves)."""
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("abort_all") is True
 
 
 async def _fanout(router: Router, request: Request, path: str) -> dict[int, tuple[int, Any]]:

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from berth_common.auth import Keys, resolve_key
 from berth_common.dataclass_cli import DataclassCli
 
 DEFAULT_PORT = 30000
@@ -84,6 +85,28 @@ class ServerArgs(DataclassCli):
         metadata={
             "help": "Require `Authorization: Bearer <key>` on every endpoint "
             "but /health, /metrics and /get_load (default: $BERTH_API_KEY if set)."
+        },
+    )
+    api_key_file: str | None = field(
+        default=None,
+        metadata={"help": "Read --api-key from this file (a mounted Secret), once at start."},
+    )
+    admin_api_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "The key for admin routes (/flush_cache, /abort_request with abort_all); "
+            "the serving key cannot call them (default: $BERTH_ADMIN_API_KEY if set)."
+        },
+    )
+    admin_api_key_file: str | None = field(
+        default=None,
+        metadata={"help": "Read --admin-api-key from this file, once at start."},
+    )
+    max_sequences_per_request: int = field(
+        default=128,
+        metadata={
+            "help": "Most sequences one request may ask for: `n` times its prompts, or a "
+            "/generate batch (OpenAI caps `n` at 128)."
         },
     )
     graceful_shutdown_timeout: float = field(
@@ -165,14 +188,24 @@ class ServerArgs(DataclassCli):
             raise ValueError(f"--gguf-q4-max-batch must be >= 0, got {self.gguf_q4_max_batch}")
         if self.watchdog_timeout <= 0:
             raise ValueError("--watchdog-timeout must be positive")
+        if self.max_sequences_per_request < 1:
+            raise ValueError("--max-sequences-per-request must be >= 1")
         if self.graceful_shutdown_timeout < 0:
             raise ValueError("--graceful-shutdown-timeout must be >= 0")
         if self.dp_rank is not None and self.dp_rank < 0:
             raise ValueError(f"--dp-rank must be >= 0, got {self.dp_rank}")
         if self.tp_size != 1:
             raise ValueError("--tp-size > 1 is not supported yet; run one rank per device")
-        if self.api_key is None and os.environ.get("BERTH_API_KEY"):
-            object.__setattr__(self, "api_key", os.environ["BERTH_API_KEY"])
+        api_key = resolve_key("api-key", self.api_key, self.api_key_file, "BERTH_API_KEY")
+        object.__setattr__(self, "api_key", api_key)
+        admin_key = resolve_key(
+            "admin-api-key", self.admin_api_key, self.admin_api_key_file, "BERTH_ADMIN_API_KEY"
+        )
+        object.__setattr__(self, "admin_api_key", admin_key)
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.api_key, self.admin_api_key)
 
     @property
     def model_name(self) -> str:

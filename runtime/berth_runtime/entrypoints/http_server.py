@@ -12,19 +12,35 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field
 
-from berth_common.auth import ApiKeyMiddleware
+from berth_common.auth import ApiKeyMiddleware, require_admin
 from berth_common.body_guard import BodyGuardMiddleware
 from berth_common.errors import RequestError
 from berth_common.http import RequestIdMiddleware, add_error_handlers, error_response
+from berth_common.openapi import (
+    METRICS_ANSWER,
+    OBJECT,
+    SSE,
+    answers,
+    honest_openapi,
+    plain_answers,
+)
 from berth_runtime import __version__
 from berth_runtime.entrypoints.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    StrictBool,
+    document_as_parsed,
     validation_error,
 )
+from berth_runtime.entrypoints.serving_generate import GenerateRequest
 from berth_runtime.io_struct import GenerateReqInput
 from berth_runtime.metrics import HttpMetricsMiddleware, MetricsCollector
 from berth_runtime.sampling_params import SamplingParams
@@ -33,7 +49,45 @@ from berth_runtime.server_args import ServerArgs, max_request_body_bytes
 # Endpoints that stay open without an API key (probes, scrapers and the operator, which reads
 # the load without holding the key; they say no more than /metrics does).
 OPEN_PATHS = frozenset({"/health", "/metrics", "/get_load", "/v1/loads"})
+# Routes that act on the whole server, for the admin key alone (`/abort_request` with
+# `abort_all` too, checked in the route: its admin-ness is in the body).
+ADMIN_PATHS = frozenset({"/flush_cache"})
+SECRET_ARGS = frozenset({"api_key", "admin_api_key"})
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+class HealthStatus(BaseModel):
+    status: str
+    reason: str | None = None
+
+
+def _one_or_all(schema: dict[str, Any]) -> None:
+    document_as_parsed(schema)
+    schema["anyOf"] = [
+        {"required": ["rid"], "properties": {"rid": {"type": "string"}}},
+        {"required": ["abort_all"], "properties": {"abort_all": {"const": True}}},
+    ]
+
+
+class AbortRequest(BaseModel):
+    """The body of `/abort_request` (read field by field by the route, for its OpenAPI document)."""
+
+    model_config = ConfigDict(json_schema_extra=_one_or_all)
+
+    rid: str | None = Field(None, min_length=1)
+    abort_all: StrictBool = False
+
+
+# What the OpenAPI document says each route answers (berth_common.openapi).
+GENERATION_ERRORS = (400, 401, 404, 413, 500, 503)
+GENERATE_ANSWER = {"anyOf": [{"type": "object"}, {"type": "array", "items": {"type": "object"}}]}
+HEALTH_ANSWERS: dict[int | str, Any] = {
+    200: {"model": HealthStatus},
+    503: {"model": HealthStatus, "description": "Loading, draining, or the engine is stuck"},
+}
+ABORT_ANSWERS = plain_answers(
+    answers(400, 401, 403, 413, 503, ok=OBJECT), {404: "No such request is running"}
+)
 # The scheduler's heartbeat (every 0.5 s, through the detokenizer) older than this: a wedged loop.
 HEARTBEAT_STALE_S = 5.0
 
@@ -111,14 +165,14 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
 
     # --- health ---------------------------------------------------------------------------
 
-    @app.get("/health")
+    @app.get("/health", responses=HEALTH_ANSWERS)
     async def health() -> Response:
         ok, reason = _health(state)
         if ok:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": state.phase, "reason": reason}, status_code=503)
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", responses=HEALTH_ANSWERS)
     async def health_generate(request: Request) -> Response:
         ok, reason = _health(state)
         if not ok:
@@ -140,11 +194,11 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
 
     # --- info -----------------------------------------------------------------------------
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=answers(401, ok=ModelList))
     async def list_models() -> Response:
         return JSONResponse({"object": "list", "data": [_model_card(state)]})
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", responses=answers(401, 404, ok=ModelCard))
     async def get_model(model: str) -> Response:
         if model != state.args.model_name:
             raise RequestError(
@@ -152,7 +206,7 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
             )
         return JSONResponse(_model_card(state))
 
-    @app.get("/get_model_info")
+    @app.get("/get_model_info", responses=answers(401, ok=OBJECT))
     async def get_model_info() -> Response:
         return JSONResponse(
             {
@@ -165,9 +219,9 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
             }
         )
 
-    @app.get("/get_server_info")
+    @app.get("/get_server_info", responses=answers(401, ok=OBJECT))
     async def get_server_info() -> Response:
-        server_args = {k: v for k, v in vars(state.args).items() if k != "api_key"}
+        server_args = {k: v for k, v in vars(state.args).items() if k not in SECRET_ARGS}
         return JSONResponse(
             {
                 "version": __version__,
@@ -186,12 +240,12 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
             }
         )
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=METRICS_ANSWER)
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/get_load")
-    @app.get("/v1/loads")
+    @app.get("/get_load", responses=answers(ok=OBJECT))
+    @app.get("/v1/loads", responses=answers(ok=OBJECT))
     async def get_load() -> Response:
         tm = state.tokenizer_manager
         stats = tm.last_stats if tm is not None else None
@@ -217,17 +271,23 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
 
     # --- generation -----------------------------------------------------------------------
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        responses=answers(*GENERATION_ERRORS, ok=ChatCompletionResponse, ok_media=SSE),
+    )
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
         state.require_ready()
         return await state.serving_chat.handle_request(request, raw_request)
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        responses=answers(*GENERATION_ERRORS, ok=CompletionResponse, ok_media=SSE),
+    )
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
         state.require_ready()
         return await state.serving_completion.handle_request(request, raw_request)
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", responses=answers(401, 404, 413))
     async def embeddings() -> Response:
         raise RequestError(
             f"`{state.args.model_name}` is a text-generation model: this server serves no "
@@ -237,40 +297,44 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
             code="model_not_supported",
         )
 
-    @app.post("/generate")
+    @app.post("/generate", responses=answers(*GENERATION_ERRORS, ok=GENERATE_ANSWER, ok_media=SSE))
     async def generate(raw_request: Request) -> Response:
         state.require_ready()
         body = await _json_body(raw_request)
         return await state.serving_generate.handle_request(body, raw_request)
 
-    @app.post("/abort_request")
+    @app.post("/abort_request", responses=ABORT_ANSWERS)
     async def abort_request(raw_request: Request) -> Response:
         tm = state.require_ready()
         body = await _json_body(raw_request)
-        rid = body.get("rid") or ""
-        abort_all = body.get("abort_all", False)
+        rid = body.get("rid")
+        abort_all = body.get("abort_all")
+        abort_all = False if abort_all is None else abort_all  # null: not sent
         # Strict types: `"abort_all": "false"` must not read as true and abort everything.
         if not isinstance(abort_all, bool):
             raise RequestError("abort_all must be true or false", param="abort_all")
-        if not isinstance(rid, str):
-            raise RequestError("rid must be a string", param="rid")
+        if rid is not None and (not isinstance(rid, str) or not rid):
+            raise RequestError("rid must be a non-empty string", param="rid")
+        rid = rid or ""
         if not rid and not abort_all:
             raise RequestError("rid or abort_all is required", param="rid")
+        if abort_all:
+            require_admin(raw_request, state.args.keys, param="abort_all")
         found = tm.abort_request(str(rid), abort_all)
         return JSONResponse({"success": found}, status_code=200 if found else 404)
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/flush_cache", responses=answers(400, 401, 403, 503, ok=OBJECT))
     async def flush_cache() -> Response:
         tm = state.require_ready()
         out = await tm.flush_cache()
         status = 200 if out.success else 400
         return JSONResponse({"success": out.success, "message": out.message}, status_code=status)
 
+    honest_openapi(app, {"/generate": GenerateRequest, "/abort_request": AbortRequest})
     asgi: Any = BodyGuardMiddleware(app, state.max_request_body_bytes)
     if state.args.dp_rank is not None:
         asgi = RankHeaderMiddleware(asgi, state.args.dp_rank)
-    if state.args.api_key:
-        asgi = ApiKeyMiddleware(asgi, state.args.api_key, OPEN_PATHS)
+    asgi = ApiKeyMiddleware(asgi, state.args.keys, OPEN_PATHS, ADMIN_PATHS)
     # Outermost, so that rejected (401) requests are counted and carry their id too.
     return RequestIdMiddleware(HttpMetricsMiddleware(asgi, state.metrics), access_log=True)
 

@@ -15,10 +15,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    Strict,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_serializer,
     model_validator,
@@ -26,14 +29,50 @@ from pydantic import (
 
 from berth_common.errors import RequestError
 
-MAX_N = 16
+MAX_N = 128  # OpenAI's own bound; a server may serve fewer (--max-sequences-per-request)
 MAX_STOP_STRINGS = 64
 MAX_TOP_LOGPROBS = 20
 
-Probability = Annotated[float, Field(ge=0.0, le=1.0)]
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-TokenId = Annotated[int, Field(ge=0)]
-Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+# Numbers are numbers: `"0.5"` or `true` for a float is a client bug, as for an integer.
+StrictFloat = Annotated[float, Strict()]
+Probability = Annotated[StrictFloat, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[StrictFloat, Field(ge=-2.0, le=2.0)]
+Bias = Annotated[StrictFloat, Field(ge=-100.0, le=100.0)]
+# `"stream": "false"` is a client bug to report, not a truthy string to guess at.
+StrictBool = Annotated[bool, Strict()]
+
+
+# Integers a request may carry: JSON-safe ones (as JavaScript's Number.MAX_SAFE_INTEGER), which a
+# JSON document, a float64 and int64 all hold exactly. Larger ones are refused with a 400.
+INT_MIN, INT_MAX = -(2**53 - 1), 2**53 - 1
+
+
+def json_integer(value: Any) -> Any:
+    """An integer as JSON Schema counts one: `2` or `2.0`, never `"2"` or `true`; JSON-safe."""
+    if isinstance(value, bool | str):
+        raise ValueError("Input should be a valid integer")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and not INT_MIN <= value <= INT_MAX:
+        raise ValueError(f"Input should be an integer of at most 53 bits (±{INT_MAX})")
+    return value
+
+
+def json_integers(value: Any) -> Any:
+    """`value` with every integral float (`2.0`) made an int, as JSON Schema reads numbers;
+    ValueError for an integer beyond 53 bits."""
+    if isinstance(value, float | int) and not isinstance(value, bool):
+        return json_integer(value)
+    if isinstance(value, list):
+        return [json_integers(v) for v in value]
+    if isinstance(value, dict):
+        return {k: json_integers(v) for k, v in value.items()}
+    return value
+
+
+# Likewise `"n": "2"`: the document says integer, and so does parsing.
+StrictInt = Annotated[int, BeforeValidator(json_integer)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
 FinishReason = Literal["stop", "length"]
 
 
@@ -41,10 +80,46 @@ def _now() -> int:
     return int(time.time())
 
 
+def document_as_parsed(schema: dict[str, Any]) -> None:
+    """The JSON schema says what parsing accepts: any field may be null (null is "not sent"), and
+    an integer is at most 64 bits (the body guard refuses larger ones, with a 400)."""
+    required = set(schema.get("required", ()))
+    for name, prop in schema.get("properties", {}).items():
+        _bound_integers(prop)
+        if name in required or any(p.get("type") == "null" for p in prop.get("anyOf", ())):
+            continue
+        notes = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
+        schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **notes}
+
+
+# Pydantic leaves a bound of an optional, validator-wrapped integer in its own spelling.
+_PYDANTIC_BOUNDS = {
+    "ge": "minimum",
+    "le": "maximum",
+    "gt": "exclusiveMinimum",
+    "lt": "exclusiveMaximum",
+}
+
+
+def _bound_integers(schema: dict[str, Any]) -> None:
+    for ours, standard in _PYDANTIC_BOUNDS.items():
+        if ours in schema:
+            schema[standard] = schema.pop(ours)
+    if schema.get("type") == "integer":
+        schema.setdefault("minimum", INT_MIN)
+        schema.setdefault("maximum", INT_MAX)
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        for sub in schema.get(key, ()):
+            _bound_integers(sub)
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            _bound_integers(schema[key])
+
+
 class OpenAIBaseModel(BaseModel):
     """Ignores unknown fields; an explicit `null` means the field was not sent."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra=document_as_parsed)
 
     @model_validator(mode="before")
     @classmethod
@@ -58,7 +133,7 @@ class OpenAIBaseModel(BaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -90,33 +165,33 @@ class SamplingRequest(OpenAIBaseModel):
     """Fields chat and completions share: model, sampling, stopping, streaming and routing."""
 
     model: str | None = None  # None: the served model
-    n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)  # -1 or 0: disabled
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = Field(-1, ge=-1)  # -1 or 0: disabled
     min_p: Probability = 0.0
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    repetition_penalty: StrictFloat = Field(1.0, gt=0.0, le=2.0)
     logit_bias: dict[int, Bias] = {}  # JSON keys are token-id strings
-    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    seed: Annotated[StrictInt, Field(ge=INT_MIN, le=INT_MAX)] | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] = []
     stop_token_ids: list[TokenId] = []
-    min_tokens: int = Field(0, ge=0)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
+    min_tokens: StrictInt = Field(0, ge=0)
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
     # OpenAI parameters that change nothing here (NO_EFFECT), accepted so that clients which
     # always send them work.
     user: str | None = None
-    store: bool | None = None
+    store: StrictBool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # Berth extensions: a request id, and routing signals for the DP router.
     rid: str | None = Field(None, min_length=1)
-    routed_dp_rank: int | None = Field(None, ge=0)
-    priority: int | None = None
+    routed_dp_rank: Annotated[StrictInt, Field(ge=0)] | None = None
+    priority: StrictInt | None = None
     routing_key: str | None = None
 
     @property
@@ -138,7 +213,7 @@ class ChatCompletionRequest(SamplingRequest):
     prediction: Any = None
     web_search_options: Any = None
     reasoning_effort: Any = None
-    parallel_tool_calls: bool | None = None  # no effect without tools
+    parallel_tool_calls: StrictBool | None = None  # no effect without tools
 
     @field_validator(
         "tools",
@@ -156,10 +231,11 @@ class ChatCompletionRequest(SamplingRequest):
     def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         return unsupported(info.field_name, value)
 
-    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI, still sent by many clients
-    max_completion_tokens: int | None = Field(None, ge=1)  # wins over max_tokens
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Deprecated by OpenAI, still sent by many clients.
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None  # wins over max_tokens
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -175,14 +251,32 @@ class ChatCompletionRequest(SamplingRequest):
             return self.max_completion_tokens
         return self.max_tokens
 
+    def sequence_count(self) -> int:
+        return self.n
+
+
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+# What `_not_empty` checks, said in the OpenAPI document (a union of constrained types would
+# name its members in error locations instead of `prompt`).
+PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        _TOKEN_IDS,
+        {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
+    ]
+}
+
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int = Field(16, ge=0)  # 0 with echo scores a prompt
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
+    prompt: Annotated[
+        str | list[str] | list[TokenId] | list[list[TokenId]], WithJsonSchema(PROMPT_SCHEMA)
+    ]
+    max_tokens: StrictInt = Field(16, ge=0)  # 0 with echo scores a prompt
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: StrictBool = False
     suffix: Any = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: Annotated[StrictInt, Field(ge=1)] | None = None
 
     @field_validator("suffix")
     @classmethod
@@ -209,6 +303,9 @@ class CompletionRequest(SamplingRequest):
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request: a text or a token-id list each."""
         return _split_prompts(self.prompt)
+
+    def sequence_count(self) -> int:
+        return self.n * len(self.prompts())
 
 
 def _split_prompts(prompt: Any) -> list[Any]:

@@ -50,6 +50,7 @@ class EngineClient(Protocol):
     tokenizer: PreTrainedTokenizerBase
     model_name: str
     context_len: int
+    max_sequences_per_request: int
 
     def generate_request(self, obj: GenerateReqInput) -> AsyncGenerator[Output, None]: ...
 
@@ -78,6 +79,7 @@ class OpenAIServingBase(ABC, Generic[RequestT]):
 
     async def handle_request(self, request: RequestT, raw_request: Request) -> Response:
         self._check_model(request.model)
+        check_sequences(request.sequence_count(), self.tokenizer_manager, "n")
         base_rid = request.rid or uuid.uuid4().hex
         # Templating and tokenizing happen here: off the event loop.
         reqs = await self.tokenizer_manager.run_tokenizer(
@@ -128,6 +130,17 @@ class OpenAIServingBase(ABC, Generic[RequestT]):
                 param="model",
                 code="model_not_found",
             )
+
+
+def check_sequences(count: int, engine: EngineClient, param: str) -> None:
+    """Refuse a request for more sequences than the server serves per request, before any work."""
+    limit = engine.max_sequences_per_request
+    if count > limit:
+        raise RequestError(
+            f"This request asks for {count} sequences (n times the prompts); this server "
+            f"generates at most {limit} per request.",
+            param=param,
+        )
 
 
 def choice_inputs(

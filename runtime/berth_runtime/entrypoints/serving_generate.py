@@ -4,31 +4,72 @@ meta_info out, as JSON or as SSE events that each carry everything so far."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from berth_common.errors import RequestError
 from berth_common.http import SSE_DONE, sse_event
-from berth_runtime.entrypoints.serving_base import SSE_HEADERS, ChoiceStreams, EngineClient
+from berth_runtime.entrypoints.protocol import StrictBool, document_as_parsed, json_integers
+from berth_runtime.entrypoints.serving_base import (
+    SSE_HEADERS,
+    ChoiceStreams,
+    EngineClient,
+    check_sequences,
+)
 from berth_runtime.io_struct import GenerateReqInput, RequestOutput, TokenLogprob
 from berth_runtime.sampling_params import SamplingParams
 
-GENERATE_FIELDS = {
-    "text",
-    "input_ids",
-    "sampling_params",
-    "stream",
-    "rid",
-    "return_logprob",
-    "top_logprobs_num",
-    "logprob_start_len",
-    "routed_dp_rank",
-    "priority",
-    "routing_key",
-}
+
+def _sampling_params_schema() -> dict[str, Any]:
+    schema = msgspec.json.schema(SamplingParams)["$defs"]["SamplingParams"]
+    schema["additionalProperties"] = False  # an unknown sampling parameter is a 400
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _exactly_one_prompt(schema: dict[str, Any]) -> None:
+    document_as_parsed(schema)
+    for name in ("text", "input_ids"):  # present means given: null is no prompt
+        prop = schema["properties"][name]
+        prop["anyOf"] = [p for p in prop["anyOf"] if p.get("type") != "null"]
+    schema["oneOf"] = [{"required": ["text"]}, {"required": ["input_ids"]}]
+
+
+class GenerateRequest(BaseModel):
+    """The body of `/generate`, for its OpenAPI document (`parse_generate` reads it field by
+    field, to name the field at fault). Exactly one of `text` and `input_ids`; a list of them is
+    a batch."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_exactly_one_prompt)
+
+    text: (  # type: ignore[assignment]
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+    ) = None
+    input_ids: (  # type: ignore[assignment]
+        Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+        | Annotated[
+            list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]],
+            Field(min_length=1),
+        ]
+    ) = None
+    sampling_params: Annotated[dict[str, Any] | None, WithJsonSchema(_sampling_params_schema())] = (
+        None
+    )
+    stream: StrictBool | None = False
+    rid: str | None = Field(None, min_length=1)
+    return_logprob: StrictBool | None = False
+    top_logprobs_num: int | None = 0
+    logprob_start_len: int | None = -1
+    routed_dp_rank: int | None = Field(None, ge=0)
+    priority: int | None = None
+    routing_key: str | None = None  # the router's; checked, not used here
+
+
+GENERATE_FIELDS = set(GenerateRequest.model_fields)
 
 
 class NativeServingGenerate:
@@ -39,6 +80,9 @@ class NativeServingGenerate:
 
     async def handle_request(self, body: dict[str, Any], raw_request: Request) -> Response:
         objs, is_batch = parse_generate(body)
+        check_sequences(
+            len(objs), self.tokenizer_manager, "text" if "text" in body else "input_ids"
+        )
         if is_batch and any(o.stream for o in objs):
             raise RequestError("streaming is only supported for a single prompt", param="stream")
         stream = not is_batch and objs[0].stream
@@ -101,10 +145,15 @@ def _triples(entries: list[TokenLogprob]) -> list[tuple[float | None, int, str]]
 
 def parse_generate(body: dict[str, Any]) -> tuple[list[GenerateReqInput], bool]:
     """A `/generate` body -> one GenerateReqInput per prompt, and whether it was a batch."""
+    try:
+        body = json_integers(body)  # `2.0` is an integer to JSON Schema, and so here
+    except ValueError as e:
+        raise RequestError(str(e)) from None
     unknown = set(body) - GENERATE_FIELDS
     if unknown:
         raise RequestError(f"unknown field(s): {', '.join(sorted(unknown))}", param=min(unknown))
-    raw_params = body.get("sampling_params") or {}
+    raw_params = body.get("sampling_params")
+    raw_params = {} if raw_params is None else raw_params
     if not isinstance(raw_params, dict):
         raise RequestError("sampling_params must be an object", param="sampling_params")
     unknown_params = set(raw_params) - set(SamplingParams.__struct_fields__)
@@ -114,12 +163,12 @@ def parse_generate(body: dict[str, Any]) -> tuple[list[GenerateReqInput], bool]:
             param="sampling_params",
         )
     try:
-        params = msgspec.convert(raw_params, SamplingParams, strict=False)
+        params = msgspec.convert(raw_params, SamplingParams)
     except msgspec.ValidationError as e:
         raise RequestError(f"sampling_params: {e}", param="sampling_params") from e
 
     text, input_ids = body.get("text"), body.get("input_ids")
-    if (text is None) == (input_ids is None):
+    if ("text" in body) == ("input_ids" in body):
         raise RequestError("exactly one of text or input_ids is required", param="text")
     prompts: list[tuple[str | None, list[int] | None]]
     if isinstance(text, str):
@@ -137,6 +186,8 @@ def parse_generate(body: dict[str, Any]) -> tuple[list[GenerateReqInput], bool]:
         )
 
     base_rid = body.get("rid")
+    if base_rid is not None and (not isinstance(base_rid, str) or not base_rid):
+        raise RequestError("rid must be a non-empty string", param="rid")
     common = {}
     try:
         for key, typ in (

@@ -96,6 +96,7 @@ class TokenizerManager:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.engine_info = engine_info
         self.context_len: int = engine_info["context_len"]
+        self.max_sequences_per_request = args.max_sequences_per_request
         self.max_total_tokens: int = engine_info["max_total_num_tokens"]
         self.vocab_size: int = engine_info["vocab_size"]
         self.rid_to_state: dict[str, ReqState] = {}

@@ -133,7 +133,9 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly():
     assert not (ours & ipc_dirs()), "IPC sockets left behind"
 
 
-def test_api_key_protects_everything_but_health():
+def test_api_key_protects_everything_but_health(tmp_path: Path):
+    admin_key_file = tmp_path / "admin-key"
+    admin_key_file.write_text("adm1n\n")  # as a mounted Secret: a trailing newline is no part
     srv = RunningServer(
         "--model",
         embedded_model_dir(),
@@ -141,6 +143,8 @@ def test_api_key_protects_everything_but_health():
         "2",
         "--log-level",
         "debug",
+        "--admin-api-key-file",
+        str(admin_key_file),
         env={"BERTH_API_KEY": "s3cret"},
     ).wait_ready()
     try:
@@ -171,6 +175,26 @@ def test_api_key_protects_everything_but_health():
         assert "[api]" in line and "completion_tokens=2" in line
         assert httpx.get(f"{base}/metrics").status_code == 200  # open, like /health
         assert httpx.get(f"{base}/get_load").json()["dp_rank"] == 2  # open: the operator reads it
+
+        # The serving key cannot act on the whole server; the admin key can (and serves too).
+        user = {"Authorization": "Bearer s3cret"}
+        admin = {"Authorization": "Bearer adm1n"}
+        for path, body, param in (
+            ("/flush_cache", None, None),
+            ("/abort_request", {"abort_all": True}, "abort_all"),
+        ):
+            refused = httpx.post(f"{base}{path}", json=body, headers=user)
+            assert refused.status_code == 403, (path, refused.text)
+            assert refused.json()["error"]["type"] == "PermissionDeniedError"
+            assert refused.json()["error"]["param"] == param
+            allowed = httpx.post(f"{base}{path}", json=body, headers=admin)
+            assert allowed.status_code == 200 and allowed.json()["success"] is True, allowed.text
+        one = httpx.post(f"{base}/abort_request", json={"rid": "not-running"}, headers=user)
+        assert one.status_code == 404  # aborting one request by id stays the serving key's right
+        assert httpx.get(f"{base}/v1/models", headers=admin).status_code == 200
+        info = httpx.get(f"{base}/get_server_info", headers=admin).json()["server_args"]
+        assert "admin_api_key" not in info and "api_key" not in info
+        assert "adm1n" not in json.dumps(info)
     finally:
         assert srv.stop() == 0
 

@@ -287,6 +287,36 @@ async def test_api_key_guards_everything_but_probes_and_metrics(ranks: Ranks) ->
     assert infos and all(q.headers["authorization"] == "Bearer s3cret" for q in infos)
 
 
+async def test_whole_server_routes_need_the_admin_key(ranks: Ranks) -> None:
+    client, _ = await start(ranks, api_key="serve", admin_api_key="adm1n")
+    user = {"Authorization": "Bearer serve"}
+    admin = {"Authorization": "Bearer adm1n"}
+    for path, body in (("/flush_cache", None), ("/abort_request", {"abort_all": True})):
+        refused = await client.post(path, json=body, headers=user)
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["error"]["type"] == "PermissionDeniedError"
+    assert not [q for q in ranks.seen if q.url.path in ("/flush_cache", "/abort_request")]
+    flushed = await client.post("/flush_cache", headers=admin)
+    assert flushed.status_code == 200, flushed.text
+    sent = [q for q in ranks.seen if q.url.path == "/flush_cache"]
+    assert len(sent) == 3 and all(q.headers["authorization"] == "Bearer adm1n" for q in sent)
+    by_id = await client.post("/abort_request", json={"rid": "rid-on-2"}, headers=user)
+    assert by_id.status_code == 200  # one request by its id: the serving key's right
+
+    # A serving key and no admin key: nobody may flush or abort everything.
+    closed, _ = await start(ranks, api_key="serve")
+    refused = await closed.post("/flush_cache", headers=user)
+    assert refused.status_code == 403 and "--admin-api-key" in refused.json()["error"]["message"]
+
+
+async def test_a_path_is_forwarded_as_sent(ranks: Ranks) -> None:
+    client, _ = await start(ranks)
+    # Decoded, %1C is a control character: no valid URL to send on (a 500 before).
+    r = await client.get("/v1/models/a%1Cb")
+    assert r.status_code == 200, r.text
+    assert ranks.seen[-1].url.raw_path == b"/v1/models/a%1Cb"
+
+
 async def test_readiness_waits_for_the_worker_list(ranks: Ranks) -> None:
     app = create_app(RouterArgs(worker_urls=("http://r0",)))
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")

@@ -109,6 +109,7 @@ class FakeTokenizerManager:
         self.tokenizer = tokenizer
         self.model_name = MODEL
         self.context_len = 2048
+        self.max_sequences_per_request = 128
         self.reply: Callable[[GenerateReqInput], str] = lambda obj: REPLY
         self.finish: FinishReason = STOP
         self.cached_tokens: Callable[[GenerateReqInput], int] = lambda obj: 0

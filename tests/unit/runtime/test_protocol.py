@@ -132,8 +132,11 @@ def test_image_parts_are_rejected_with_a_clear_message() -> None:
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"n": 0}, "n"),
-        ({"n": 17}, "n"),
+        ({"n": 129}, "n"),
         ({"seed": 2**63}, "seed"),
+        ({"seed": 2**53}, "seed"),  # integers are JSON-safe: 53 bits
+        ({"n": "2"}, "n"),
+        ({"n": 1.5}, "n"),
         ({"logit_bias": {"abc": 1}}, "logit_bias.abc"),
         ({"logit_bias": {"5": 101}}, "logit_bias.5"),
         ({"stop": 5}, "stop"),
@@ -153,6 +156,9 @@ def test_image_parts_are_rejected_with_a_clear_message() -> None:
         ({"rid": ""}, "rid"),
         ({"routed_dp_rank": -1}, "routed_dp_rank"),
         ({"priority": "high"}, "priority"),
+        ({"stream": "false"}, "stream"),  # booleans are strict: a string is a client bug
+        ({"logprobs": 1}, "logprobs"),
+        ({"stream_options": {"include_usage": "true"}}, "stream_options.include_usage"),
     ],
 )
 def test_chat_field_errors_name_the_field(fields: dict, param: str) -> None:
@@ -183,8 +189,8 @@ def test_accepted_values_at_the_bounds() -> None:
         top_p=1,
         top_k=0,
         min_p=1,
-        n=16,
-        seed=-(2**63),
+        n=128.0,  # an integer, as JSON Schema reads numbers
+        seed=-(2**53 - 1),
         stop="END",
         logit_bias={"0": -100, "12": 100},
         logprobs=True,
@@ -192,6 +198,7 @@ def test_accepted_values_at_the_bounds() -> None:
         stream_options={"include_usage": True},
     )
     assert request.logit_bias == {0: -100.0, 12: 100.0}
+    assert request.n == 128 and isinstance(request.n, int)
     assert request.include_usage
     assert not chat(stream_options={}).include_usage
 

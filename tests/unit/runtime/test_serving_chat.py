@@ -235,7 +235,7 @@ async def test_an_unknown_model_is_a_404(http: httpx.AsyncClient, tm: FakeTokeni
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages.0.content",
         ),
-        ({"n": 100}, "n"),
+        ({"n": 129}, "n"),
     ],
 )
 async def test_invalid_fields_are_400s_naming_the_field(

@@ -66,6 +66,23 @@ async def test_list_prompts_times_n_are_choices_in_order(
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0 + 2}
 
 
+async def test_sequences_per_request_are_capped_before_any_work(
+    http: httpx.AsyncClient, tm: FakeTokenizerManager
+) -> None:
+    tm.max_sequences_per_request = 6
+    refused = await complete(http, prompt=["A", "B", "C", "D"], n=2)
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert (
+        error["param"] == "n"
+        and "8 sequences" in error["message"]
+        and "at most 6" in error["message"]
+    )
+    assert tm.received == []
+    allowed = await complete(http, prompt=["A", "B", "C"], n=2)
+    assert allowed.status_code == 200 and len(allowed.json()["choices"]) == 6
+
+
 @pytest.mark.parametrize(
     ("prompt", "input_ids"), [([5, 6, 7], [[5, 6, 7]]), ([[5, 6], [7]], [[5, 6], [7]])]
 )
