@@ -14,8 +14,9 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict
 
 from berth_common.auth import ApiKeyMiddleware, require_admin
 from berth_common.body_guard import BodyGuardMiddleware
@@ -28,6 +29,14 @@ from berth_common.http import (
     uvicorn_config,
 )
 from berth_common.logging import configure_logging
+from berth_common.openapi import (
+    METRICS_ANSWER,
+    OBJECT,
+    SSE,
+    answers,
+    honest_openapi,
+    plain_answers,
+)
 from berth_common.process import set_process_title
 from berth_router import __version__
 from berth_router.args import RouterArgs
@@ -44,6 +53,24 @@ logger = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/liveness", "/readiness", "/metrics"})
 # As on the ranks (which check the same key again): the whole-server routes need the admin key.
 ADMIN_PATHS = frozenset({"/flush_cache"})
+# What the OpenAPI document says each route answers (berth_common.openapi). A forwarded route
+# answers what the rank answers, plus the router's own 502, 503 and 504.
+FORWARD_ERRORS = (401, 500, 502, 503, 504)
+GENERATION_ANSWERS = answers(400, 404, 413, *FORWARD_ERRORS, ok={}, ok_media=SSE)
+PROBE_ANSWERS: dict[int | str, Any] = plain_answers(answers(ok=OBJECT), {503: "Not ready"})
+ABORT_ANSWERS = plain_answers(
+    answers(400, 401, 403, 413, ok=OBJECT), {404: "No rank is running such a request"}
+)
+FLUSH_ANSWERS = plain_answers(answers(401, 403, ok=OBJECT), {400: "A rank could not flush"})
+
+
+class ForwardedBody(BaseModel):
+    """A JSON object, passed to a rank, which checks it against its own document (the rank's
+    `/openapi.json` describes each field)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
 FANOUT_TIMEOUT_S = 10.0
 
 
@@ -109,7 +136,7 @@ def create_app(args: RouterArgs, kube: KubeConfig | None = None) -> Any:
 
     # --- the router's own endpoints -------------------------------------------------------------
 
-    @app.get("/health")
+    @app.get("/health", responses=PROBE_ANSWERS)
     async def health() -> Response:
         routable = registry.routable()
         body = {
@@ -121,22 +148,22 @@ def create_app(args: RouterArgs, kube: KubeConfig | None = None) -> Any:
             body["reason"] = "no rank is known yet" if not registry.workers else "no healthy rank"
         return JSONResponse(body, status_code=200 if routable else 503)
 
-    @app.get("/liveness")
+    @app.get("/liveness", responses=answers(ok=OBJECT))
     async def liveness() -> Response:
         return JSONResponse({"status": "ok"})
 
-    @app.get("/readiness")
+    @app.get("/readiness", responses=PROBE_ANSWERS)
     async def readiness() -> Response:
         if registry.synced.is_set() and registry.checked.is_set():
             return JSONResponse({"status": "ok"})
         phase = "discovering ranks" if not registry.synced.is_set() else "checking ranks"
         return JSONResponse({"status": "starting", "reason": phase}, status_code=503)
 
-    @app.get("/workers")
+    @app.get("/workers", responses=answers(401, ok=OBJECT))
     async def workers() -> Response:
         return JSONResponse({"policy": policy.name, "workers": registry.describe()})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=METRICS_ANSWER)
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -172,31 +199,31 @@ def create_app(args: RouterArgs, kube: KubeConfig | None = None) -> Any:
             endpoint=endpoint,
         )
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_ANSWERS)
     async def chat_completions(request: Request) -> Response:
         return await generation(request, "/v1/chat/completions")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_ANSWERS)
     async def completions(request: Request) -> Response:
         return await generation(request, "/v1/completions")
 
-    @app.post("/generate")
+    @app.post("/generate", responses=GENERATION_ANSWERS)
     async def generate(request: Request) -> Response:
         return await generation(request, "/generate")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=answers(*FORWARD_ERRORS, ok=OBJECT))
     async def models(request: Request) -> Response:
         return await anywhere(request, "/v1/models")
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", responses=answers(404, *FORWARD_ERRORS, ok=OBJECT))
     async def model(request: Request, model: str) -> Response:
         return await anywhere(request, "/v1/models/{model}")
 
-    @app.get("/get_model_info")
+    @app.get("/get_model_info", responses=answers(*FORWARD_ERRORS, ok=OBJECT))
     async def model_info(request: Request) -> Response:
         return await anywhere(request, "/get_model_info")
 
-    @app.post("/abort_request")
+    @app.post("/abort_request", responses=ABORT_ANSWERS)
     async def abort_request(request: Request) -> Response:
         """The router does not know which rank holds a rid: ask every rank."""
         if await _asks_abort_all(request):
@@ -205,7 +232,7 @@ def create_app(args: RouterArgs, kube: KubeConfig | None = None) -> Any:
         found = any(status == 200 for status, _ in results.values())
         return JSONResponse({"success": found}, status_code=200 if found else 404)
 
-    @app.post("/flush_cache")
+    @app.post("/flush_cache", responses=FLUSH_ANSWERS)
     async def flush_cache(request: Request) -> Response:
         """Flush every rank's prefix cache; the router forgets what it thought they held."""
         results = await _fanout(router, request, "/flush_cache")
@@ -215,6 +242,15 @@ def create_app(args: RouterArgs, kube: KubeConfig | None = None) -> Any:
         ranks = {str(rank): body for rank, (_, body) in sorted(results.items())}
         return JSONResponse({"success": ok, "ranks": ranks}, status_code=200 if ok else 400)
 
+    honest_openapi(
+        app,
+        {
+            "/v1/chat/completions": ForwardedBody,
+            "/v1/completions": ForwardedBody,
+            "/generate": ForwardedBody,
+            "/abort_request": ForwardedBody,
+        },
+    )
     body_limit = int(args.max_request_body_mb * 2**20)
     asgi: Any = BodyGuardMiddleware(app, lambda: body_limit)
     asgi = ApiKeyMiddleware(asgi, args.keys, OPEN_PATHS, ADMIN_PATHS)
