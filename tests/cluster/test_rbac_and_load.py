@@ -190,7 +190,9 @@ def test_a_restarted_operator_resumes_every_service_and_changes_nothing(
         assert len(applies) >= 11, len(applies)  # every child applied again...
         return True
 
-    eventually(resumed, what="the new operator to apply every child again")
+    eventually(
+        resumed, 90, what="the new operator to apply every child again"
+    )  # a cold start on a busy CI machine
     time.sleep(6)  # a scrape by the new operator, too
     status_after = status_of(plane, ns, name)
     changed = {
