@@ -45,6 +45,17 @@ def resolve_key(flag: str, value: str | None, path: str | None, env: str) -> str
     return os.environ.get(env) or None
 
 
+def settle_keys(args: Any) -> None:
+    """Fill a frozen args dataclass's `api_key` and `admin_api_key` from their flags, files or
+    environment (`ServerArgs` and `RouterArgs` share the four fields)."""
+    api_key = resolve_key("api-key", args.api_key, args.api_key_file, "BERTH_API_KEY")
+    object.__setattr__(args, "api_key", api_key)
+    admin_key = resolve_key(
+        "admin-api-key", args.admin_api_key, args.admin_api_key_file, "BERTH_ADMIN_API_KEY"
+    )
+    object.__setattr__(args, "admin_api_key", admin_key)
+
+
 @dataclass(frozen=True)
 class Keys:
     """The serving key and the admin key (either may be unset)."""

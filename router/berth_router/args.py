@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from berth_common.auth import Keys, resolve_key
+from berth_common.auth import Keys, settle_keys
 from berth_common.dataclass_cli import DataclassCli
 
 DEFAULT_ROUTER_PORT = 30080
@@ -196,12 +196,7 @@ class RouterArgs(DataclassCli):
             raise ValueError("--graceful-shutdown-timeout must be >= 0")
         if self.max_request_body_mb <= 0:
             raise ValueError("--max-request-body-mb must be positive")
-        api_key = resolve_key("api-key", self.api_key, self.api_key_file, "BERTH_API_KEY")
-        object.__setattr__(self, "api_key", api_key)
-        admin_key = resolve_key(
-            "admin-api-key", self.admin_api_key, self.admin_api_key_file, "BERTH_ADMIN_API_KEY"
-        )
-        object.__setattr__(self, "admin_api_key", admin_key)
+        settle_keys(self)
 
     @property
     def keys(self) -> Keys:

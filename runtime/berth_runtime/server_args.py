@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from berth_common.auth import Keys, resolve_key
+from berth_common.auth import Keys, settle_keys
 from berth_common.dataclass_cli import DataclassCli
 
 DEFAULT_PORT = 30000
@@ -196,12 +196,7 @@ class ServerArgs(DataclassCli):
             raise ValueError(f"--dp-rank must be >= 0, got {self.dp_rank}")
         if self.tp_size != 1:
             raise ValueError("--tp-size > 1 is not supported yet; run one rank per device")
-        api_key = resolve_key("api-key", self.api_key, self.api_key_file, "BERTH_API_KEY")
-        object.__setattr__(self, "api_key", api_key)
-        admin_key = resolve_key(
-            "admin-api-key", self.admin_api_key, self.admin_api_key_file, "BERTH_ADMIN_API_KEY"
-        )
-        object.__setattr__(self, "admin_api_key", admin_key)
+        settle_keys(self)
 
     @property
     def keys(self) -> Keys:
