@@ -62,6 +62,8 @@ MODELS_MOUNT: Final = "/mnt/models"
 CACHE_MOUNT: Final = "/var/cache/berth"
 TMP_MOUNT: Final = "/tmp"
 SHM_MOUNT: Final = "/dev/shm"
+# The API keys, from their Secrets, as files (read once by the runtime and the router at start).
+KEYS_MOUNT: Final = "/etc/berth/keys"
 
 # The images' non-root user (see the Dockerfile).
 RUN_AS_UID: Final = 10001
@@ -73,4 +75,5 @@ OBSERVE_INTERVAL_SECONDS: Final = 5.0
 RESYNC_SECONDS: Final = 600.0
 
 ENV_API_KEY: Final = "BERTH_API_KEY"
+ENV_ADMIN_API_KEY: Final = "BERTH_ADMIN_API_KEY"
 ENV_DP_RANK: Final = "BERTH_DP_RANK"

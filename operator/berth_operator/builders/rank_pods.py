@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 from berth_operator import constants as c
+from berth_operator.builders.keys import key_args, key_mounts, key_volumes
 from berth_operator.builders.parts import (
     Manifest,
     container_security_context,
@@ -103,6 +104,7 @@ def _runtime_container(isvc: InferenceService) -> dict[str, Any]:
     ]
     if spec.model.source in ("hf", "pvc"):
         mounts.append({"name": "model", "mountPath": c.MODELS_MOUNT, "readOnly": True})
+    mounts += key_mounts(spec)
     return {
         "name": "runtime",
         "image": runtime.image,
@@ -156,6 +158,7 @@ def runtime_args(spec: InferenceServiceSpec) -> list[str]:
     args += ["--dp-rank", f"$({c.ENV_DP_RANK})"]
     args += ["--graceful-shutdown-timeout", str(spec.runtime.graceful_shutdown_seconds)]
     args += ["--model-cache-dir", c.CACHE_MOUNT]
+    args += key_args(spec)
     a = spec.runtime.args
     for flag, value in (
         ("--dtype", a.dtype),
@@ -243,13 +246,6 @@ def _runtime_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         # Ranks never fetch from the Hub: weights come from the image, a volume or the download.
         {"name": "HF_HUB_OFFLINE", "value": "1"},
     ]
-    if spec.api_key is not None:
-        env.append(
-            {
-                "name": c.ENV_API_KEY,
-                "valueFrom": {"secretKeyRef": {"name": spec.api_key.name, "key": spec.api_key.key}},
-            }
-        )
     return env + [dict(e) for e in spec.runtime.env]
 
 
@@ -291,7 +287,7 @@ def _rank_volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
             size_limit = model.cache.size_limit
             empty_dir = {"sizeLimit": size_limit} if size_limit else {}
             volumes.append({"name": "model", "emptyDir": empty_dir})
-    return volumes
+    return volumes + key_volumes(spec)
 
 
 def _download_container(spec: InferenceServiceSpec) -> dict[str, Any] | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from berth_operator import constants as c
+from berth_operator.builders.keys import key_args, key_mounts, key_volumes
 from berth_operator.builders.parts import (
     Manifest,
     container_security_context,
@@ -49,6 +50,7 @@ def router_args(isvc: InferenceService) -> list[str]:
         c.LABEL_DP_RANK,
         "--discover-port-name",
         "http",
+        *key_args(spec),
     ]
 
 
@@ -84,13 +86,6 @@ def build_router_deployment(isvc: InferenceService) -> Manifest:
     spec = isvc.spec
     runtime = spec.runtime
     env: list[dict[str, Any]] = [{"name": "HOME", "value": c.TMP_MOUNT}]
-    if spec.api_key is not None:
-        env.append(
-            {
-                "name": c.ENV_API_KEY,
-                "valueFrom": {"secretKeyRef": {"name": spec.api_key.name, "key": spec.api_key.key}},
-            }
-        )
     pod: dict[str, Any] = {
         # The token lets the router list and watch the rank EndpointSlices (its RoleBinding).
         "serviceAccountName": router_name(isvc.name),
@@ -112,7 +107,7 @@ def build_router_deployment(isvc: InferenceService) -> Manifest:
                     "requests": {"cpu": "250m", "memory": "256Mi"},
                     "limits": {"memory": "1Gi"},
                 },
-                "volumeMounts": [{"name": "tmp", "mountPath": c.TMP_MOUNT}],
+                "volumeMounts": [{"name": "tmp", "mountPath": c.TMP_MOUNT}, *key_mounts(spec)],
                 # Ready once it knows the ranks and has checked them; it does not turn unready
                 # when every rank is down (it answers 503 itself, and the InferenceService's
                 # status says RanksNotReady rather than RouterNotReady).
@@ -134,7 +129,7 @@ def build_router_deployment(isvc: InferenceService) -> Manifest:
                 "securityContext": container_security_context(),
             }
         ],
-        "volumes": [{"name": "tmp", "emptyDir": {}}],
+        "volumes": [{"name": "tmp", "emptyDir": {}}, *key_volumes(spec)],
     }
     if runtime.image_pull_secrets:
         pod["imagePullSecrets"] = [dict(ref) for ref in runtime.image_pull_secrets]

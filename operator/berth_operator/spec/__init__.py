@@ -7,10 +7,16 @@ from berth_operator.spec.placement import Parallelism, ResourcesSpec, Scheduling
 from berth_operator.spec.routing import IngressSpec, RoutingSpec
 from berth_operator.spec.runtime import RuntimeArgs, RuntimeSpec
 from berth_operator.spec.scaling import AutoscalingSpec, HealthSpec
-from berth_operator.spec.secret_refs import ApiKeySecretRef, HfTokenSecretRef, SecretKeyRef
+from berth_operator.spec.secret_refs import (
+    AdminApiKeySecretRef,
+    ApiKeySecretRef,
+    HfTokenSecretRef,
+    SecretKeyRef,
+)
 from berth_operator.spec.service import InferenceService, InferenceServiceSpec, SpecError
 
 __all__ = [
+    "AdminApiKeySecretRef",
     "ApiKeySecretRef",
     "AutoscalingSpec",
     "HealthSpec",

@@ -34,6 +34,9 @@ MANAGED_FLAGS = (
     "--host",
     "--port",
     "--api-key",
+    "--api-key-file",
+    "--admin-api-key",
+    "--admin-api-key-file",
     "--dp-rank",
     "--tp-size",
     "--model-cache-dir",
@@ -41,14 +44,15 @@ MANAGED_FLAGS = (
 )
 # Environment variables the operator sets on the runtime container; `runtime.env` may not repeat
 # them (a container's env is a list keyed by name: a repeat is a duplicate key, not an override).
-MANAGED_ENV = (
-    constants.ENV_API_KEY,
+SET_ENV = (
     constants.ENV_DP_RANK,
     "HOME",
     "XDG_CACHE_HOME",
     "HF_HOME",
     "HF_HUB_OFFLINE",
 )
+# ...and the ones the runtime would read keys from: keys come from the spec's Secret references.
+MANAGED_ENV = (constants.ENV_API_KEY, constants.ENV_ADMIN_API_KEY, *SET_ENV)
 
 
 @spec_object("`berth serve` settings; an unset field keeps the runtime's default.")
@@ -112,7 +116,7 @@ def _managed_env_list() -> str:
         Rule(
             f"!(self.name in [{_managed_env_list()}])",
             f"{', '.join(MANAGED_ENV[:-1])} and {MANAGED_ENV[-1]} are set by the operator "
-            "(for an API key use apiKeySecretRef)",
+            "(for the keys use apiKeySecretRef and adminApiKeySecretRef)",
         ),
     ),
 )
@@ -163,7 +167,8 @@ def _no_managed_flag(arg: str, kept: list[str], report: Report) -> bool:
         report(
             None,
             f"{named} is set by the operator; use the matching spec field instead "
-            "(model.uri, model.servedName, apiKeySecretRef, runtime.gracefulShutdownSeconds, "
+            "(model.uri, model.servedName, apiKeySecretRef, adminApiKeySecretRef, "
+            "runtime.gracefulShutdownSeconds, "
             "parallelism.tensor)",
         )
     return True

@@ -1,4 +1,4 @@
-"""References to a key in a Secret of the InferenceService's namespace: a token, an API key."""
+"""References to a key in a Secret of the InferenceService's namespace: a token, the API keys."""
 
 from __future__ import annotations
 
@@ -36,14 +36,31 @@ class HfTokenSecretRef(SecretKeyRef):
 
 
 @spec_object(
-    "Require `Authorization: Bearer <key>` on every endpoint but /health and /metrics, with the "
-    "key from this Secret (passed as BERTH_API_KEY, never as an argument)."
+    "Require `Authorization: Bearer <key>` on every endpoint but /health, /metrics and "
+    "/get_load, with the key from this Secret (mounted as a file, never an argument or an "
+    "environment variable). Without adminApiKeySecretRef, this key cannot call the admin routes."
 )
 @dataclass(frozen=True)
 class ApiKeySecretRef(SecretKeyRef):
     key: str = string(
         "Key in the Secret that holds the API key.",
         "api-key",
+        max_length=253,
+        operator_pattern=SECRET_KEY,
+        what="a Secret key",
+    )
+
+
+@spec_object(
+    "The admin key: the only key that may call the admin routes (/flush_cache, /abort_request "
+    "with abort_all) of the ranks and the router; it also serves like the API key. From this "
+    "Secret, mounted as a file. Without it, the admin routes are closed."
+)
+@dataclass(frozen=True)
+class AdminApiKeySecretRef(SecretKeyRef):
+    key: str = string(
+        "Key in the Secret that holds the admin key.",
+        "admin-api-key",
         max_length=253,
         operator_pattern=SECRET_KEY,
         what="a Secret key",

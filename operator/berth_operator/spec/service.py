@@ -34,7 +34,7 @@ from berth_operator.spec.placement import Parallelism, ResourcesSpec, Scheduling
 from berth_operator.spec.routing import IngressSpec, RoutingSpec
 from berth_operator.spec.runtime import RuntimeSpec
 from berth_operator.spec.scaling import MAX_REPLICAS, AutoscalingSpec, HealthSpec
-from berth_operator.spec.secret_refs import ApiKeySecretRef
+from berth_operator.spec.secret_refs import AdminApiKeySecretRef, ApiKeySecretRef
 
 # The longest child name is "<name>-rank-<63>"; the StatefulSet's controller-revision-hash label
 # ("<name>-<10 chars>") must fit in 63 characters too.
@@ -99,6 +99,9 @@ class InferenceServiceSpec:
     routing: RoutingSpec = obj(RoutingSpec, schema_default=True)
     ingress: IngressSpec | None = optional(IngressSpec)
     api_key: ApiKeySecretRef | None = optional(ApiKeySecretRef, json="apiKeySecretRef")
+    admin_api_key: AdminApiKeySecretRef | None = optional(
+        AdminApiKeySecretRef, json="adminApiKeySecretRef"
+    )
     scheduling: SchedulingSpec = obj(SchedulingSpec)
 
     @property

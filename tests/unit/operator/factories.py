@@ -107,6 +107,7 @@ FULL_SPEC: dict[str, Any] = {
         "tls": {"secretName": "chat-tls"},
     },
     "apiKeySecretRef": {"name": "chat-key", "key": "token"},
+    "adminApiKeySecretRef": {"name": "chat-admin-key"},
     "scheduling": {
         "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],

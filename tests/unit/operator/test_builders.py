@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,7 +14,7 @@ from berth_operator import constants as c
 from berth_operator.builders import network, rank_pods, rank_services, router
 from berth_operator.plan import RankPlan, rank_urls
 from berth_operator.spec import InferenceService
-from berth_operator.spec.runtime import MANAGED_ENV
+from berth_operator.spec.runtime import MANAGED_ENV, SET_ENV
 from berth_router.args import RouterArgs
 from berth_router.discovery import parse_selector, selector_matches
 from berth_router.server import build_parser as build_router_parser
@@ -40,12 +42,26 @@ def env_of(container: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e for e in container["env"]}
 
 
+def with_local_keys(args: list[str]) -> list[str]:
+    """Key files exist only in the pod: point their flags at local files of the same names."""
+    local = Path(tempfile.gettempdir()) / "berth-test-keys"
+    local.mkdir(exist_ok=True)
+    rendered = []
+    for arg in args:
+        if arg.startswith(f"{c.KEYS_MOUNT}/"):
+            name = arg.rsplit("/", 1)[1]
+            (local / name).write_text(f"key-from-{name}\n")
+            arg = str(local / name)
+        rendered.append(arg)
+    return rendered
+
+
 def parse_server_args(args: list[str]) -> ServerArgs:
     """Parse rendered `berth serve` args the way the runtime does, with the rank substituted."""
     assert args[0] == "serve"
     parser = argparse.ArgumentParser(exit_on_error=False)
     ServerArgs.add_cli_args(parser)
-    rendered = [a.replace(f"$({c.ENV_DP_RANK})", "2") for a in args[1:]]
+    rendered = [a.replace(f"$({c.ENV_DP_RANK})", "2") for a in with_local_keys(args[1:])]
     return ServerArgs.from_cli_args(parser.parse_args(rendered))
 
 
@@ -170,7 +186,7 @@ def test_rendered_args_parse_with_the_runtimes_server_args(case: str) -> None:
     assert server.dp_rank == 2
     assert server.model_cache_dir == c.CACHE_MOUNT
     assert server.graceful_shutdown_timeout == isvc.spec.runtime.graceful_shutdown_seconds
-    assert server.api_key is None or server.api_key == ""  # never from args
+    assert "--api-key" not in container["args"]  # never an argument, only a file
 
 
 def test_full_spec_args_reach_the_runtime_unchanged() -> None:
@@ -223,16 +239,47 @@ def test_model_path_per_source(uri: str, model: str, served: str | None) -> None
     assert server.served_model_name == served
 
 
-def test_api_key_comes_from_the_secret_as_env_never_as_an_argument() -> None:
-    isvc = parse({"apiKeySecretRef": {"name": "chat-key"}})
-    container = rank_container(isvc)
-    assert env_of(container)[c.ENV_API_KEY]["valueFrom"] == {
-        "secretKeyRef": {"name": "chat-key", "key": "api-key"}
-    }
-    assert not any("api-key" in a for a in container["args"])
-    routing = router.build_router_deployment(isvc)["spec"]["template"]["spec"]["containers"][0]
-    assert env_of(routing)[c.ENV_API_KEY]["valueFrom"]["secretKeyRef"]["name"] == "chat-key"
-    assert c.ENV_API_KEY not in env_of(rank_container(parse({})))
+def test_keys_come_from_their_secrets_as_files_never_as_arguments_or_env() -> None:
+    isvc = parse(
+        {"apiKeySecretRef": {"name": "chat-key"}, "adminApiKeySecretRef": {"name": "ops-key"}}
+    )
+    rank_pod = rank_pods.build_rank_statefulset(isvc)["spec"]["template"]["spec"]
+    router_pod = router.build_router_deployment(isvc)["spec"]["template"]["spec"]
+    for pod in (rank_pod, router_pod):
+        (container,) = pod["containers"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["api-keys"]["projected"]["sources"] == [
+            {"secret": {"name": "chat-key", "items": [{"key": "api-key", "path": "api-key"}]}},
+            {
+                "secret": {
+                    "name": "ops-key",
+                    "items": [{"key": "admin-api-key", "path": "admin-api-key"}],
+                }
+            },
+        ]
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "api-keys")
+        assert mount == {"name": "api-keys", "mountPath": c.KEYS_MOUNT, "readOnly": True}
+        names = {e["name"] for e in container.get("env", [])}
+        assert not names & {c.ENV_API_KEY, c.ENV_ADMIN_API_KEY}  # never from the environment
+    # The flags name the mounted files, and the runtime and the router read each key from its
+    # own file (here local copies of the same names).
+    for args in (
+        parse_server_args(rank_pod["containers"][0]["args"]),
+        router_args_of(router.build_router_deployment(isvc)),
+    ):
+        assert args.api_key_file.endswith("/api-key")
+        assert args.admin_api_key_file.endswith("/admin-api-key")
+        assert (args.api_key, args.admin_api_key) == ("key-from-api-key", "key-from-admin-api-key")
+    assert f"{c.KEYS_MOUNT}/api-key" in rank_pod["containers"][0]["args"]
+    assert f"{c.KEYS_MOUNT}/admin-api-key" in router_pod["containers"][0]["args"]
+    # Only the serving key: one file; no key: no volume, no flag.
+    only = rank_pods.build_rank_statefulset(parse({"apiKeySecretRef": {"name": "k"}}))
+    assert only["spec"]["template"]["spec"]["volumes"][-1]["projected"]["sources"] == [
+        {"secret": {"name": "k", "items": [{"key": "api-key", "path": "api-key"}]}}
+    ]
+    bare = rank_pods.build_rank_statefulset(parse({}))["spec"]["template"]["spec"]
+    assert "api-keys" not in {v["name"] for v in bare["volumes"]}
+    assert not any("key" in a for a in bare["containers"][0]["args"])
 
 
 def test_gpu_limits_shared_memory_and_memory_limit() -> None:
@@ -399,7 +446,7 @@ def router_args_of(dep: dict[str, Any]) -> RouterArgs:
     assert container["command"] == ["berth"]
     args = container["args"]
     assert args[:1] == ["router"]
-    return RouterArgs.from_cli_args(build_router_parser().parse_args(args[1:]))
+    return RouterArgs.from_cli_args(build_router_parser().parse_args(with_local_keys(args[1:])))
 
 
 def test_router_gets_the_policy_and_discovers_exactly_the_rank_services() -> None:
@@ -469,7 +516,9 @@ def test_the_runtime_env_names_the_operator_sets_are_the_ones_users_may_not() ->
     spec = parse({"apiKeySecretRef": {"name": "k"}})
     sts = one(builders.build_children(spec), "StatefulSet", "chat")
     (container,) = sts["spec"]["template"]["spec"]["containers"]
-    assert {e["name"] for e in container["env"]} == set(MANAGED_ENV)
+    assert {e["name"] for e in container["env"]} == set(SET_ENV)
+    # The key variables are never set, and no user may set them either.
+    assert set(MANAGED_ENV) == {*SET_ENV, c.ENV_API_KEY, c.ENV_ADMIN_API_KEY}
 
 
 def test_entry_service_points_at_the_router_or_at_the_ranks_without_one() -> None:

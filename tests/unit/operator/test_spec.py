@@ -127,6 +127,18 @@ def test_model_sources(uri: str, expected: dict[str, str]) -> None:
         ),
         ({"runtime": {"extraArgs": [3]}}, "spec.runtime.extraArgs[0]: must be a string"),
         ({"runtime": {"env": [{"name": "BERTH_API_KEY", "value": "x"}]}}, "set by the operator"),
+        (
+            {"runtime": {"env": [{"name": "BERTH_ADMIN_API_KEY", "value": "x"}]}},
+            "set by the operator",
+        ),
+        (
+            {"runtime": {"extraArgs": ["--admin-api-key-file", "/k"]}},
+            "--admin-api-key-file is set by the operator",
+        ),
+        (
+            {"runtime": {"extraArgs": ["--api-key=k"]}},
+            "--api-key is set by the operator",
+        ),
         ({"runtime": {"env": [{"value": "x"}]}}, "spec.runtime.env[0].name: required"),
         (
             {"runtime": {"env": [{"name": "HF_HUB_OFFLINE", "value": "0"}]}},
