@@ -66,6 +66,14 @@ help: ## Show this help
 bench: install ## Berth vs HF transformers generate() side by side (quick; BENCH_ARGS="--full" for all)
 	$(BIN)/python -m benchmarks.compare $(BENCH_ARGS)
 
+.PHONY: bench-limits
+bench-limits: install ## Limits: time to refuse a 20 MB body, /health latency meanwhile, streams drained on group SIGTERM
+	$(BIN)/python -m benchmarks.limits $(BENCH_ARGS)
+
+.PHONY: bench-tokenizer
+bench-tokenizer: install ## Templating + tokenizing: event loop vs worker threads vs worker processes
+	$(BIN)/python -m benchmarks.tokenizer_workers $(BENCH_ARGS)
+
 ##@ Router
 .PHONY: bench-router
 bench-router: install ## Router: added latency vs a direct rank; cache_aware vs round_robin prefix-cache hit rate

@@ -233,6 +233,7 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
                 "server_args": server_args,
                 "engine": state.engine_info,
                 "load_progress": state.load_progress,
+                "max_request_body_bytes": state.max_request_body_bytes(),
                 "started_time": state.started_time,
                 "load_time_s": (state.ready_time - state.started_time)
                 if state.ready_time

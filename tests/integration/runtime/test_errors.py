@@ -141,6 +141,7 @@ def test_invalid_utf8_unknown_routes_and_wrong_methods_are_openai_errors(http: h
 
 def test_a_body_over_the_limit_is_413_before_it_is_read(http: httpx.Client):
     limit = 4 * 2**20  # the default for this model's 8k context: at least 4 MiB
+    assert http.get("/get_server_info").json()["max_request_body_bytes"] == limit
     big = b'{"model":"m","prompt":"' + b"x" * limit + b'"}'
     err = assert_error(http.post("/v1/completions", content=big, headers=RAW), 413)
     assert err["code"] == "request_too_large" and str(limit) in err["message"]
