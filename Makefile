@@ -70,6 +70,14 @@ bench: install ## Berth vs HF transformers generate() side by side (quick; BENCH
 bench-limits: install ## Limits: time to refuse a 20 MB body, /health latency meanwhile, streams drained on group SIGTERM
 	$(BIN)/python -m benchmarks.limits $(BENCH_ARGS)
 
+.PHONY: bench-structured
+bench-structured: install ## Structured output: output tok/s with a JSON schema vs unconstrained, 1 and 16 concurrent
+	$(BIN)/python -m benchmarks.structured_output $(BENCH_ARGS)
+
+.PHONY: bench-grammar
+bench-grammar: install ## Grammar engines: xgrammar vs llguidance, compile and per-token mask cost
+	$(BIN)/python -m benchmarks.grammar_backends $(BENCH_ARGS)
+
 .PHONY: bench-tokenizer
 bench-tokenizer: install ## Templating + tokenizing: event loop vs worker threads vs worker processes
 	$(BIN)/python -m benchmarks.tokenizer_workers $(BENCH_ARGS)

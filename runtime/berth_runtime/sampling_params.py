@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from berth_runtime.constrained.spec import GRAMMAR_KINDS, GrammarSpec
+
 # A temperature below this is treated as greedy decoding.
 GREEDY_EPS = 1e-6
 
@@ -34,6 +36,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = {}
     seed: int | None = None
+    # Constrained decoding (SGLang's names): at most one of a JSON schema (as JSON text), a
+    # regular expression, or an EBNF grammar (xgrammar's dialect of GBNF).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -46,6 +53,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """The grammar the output must match, if any (`verify` allows at most one)."""
+        for kind in GRAMMAR_KINDS:
+            source = getattr(self, kind)
+            if source is not None:
+                return GrammarSpec(kind, source)
+        return None
 
     def normalized(self) -> SamplingParams:
         """A copy with stop strings deduplicated, empty ones dropped, and greedy made explicit."""
@@ -92,6 +108,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
                     f"stop_token_ids contains {token_id}, outside the vocabulary [0, {vocab_size})",
                     "stop_token_ids",
                 )
+        given = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
+        if len(given) > 1:
+            raise SamplingParamsError(
+                f"give at most one of json_schema, regex and ebnf, not {' and '.join(given)}",
+                given[1],
+            )
         for token_id, bias in self.logit_bias.items():
             if not 0 <= token_id < vocab_size:
                 raise SamplingParamsError(

@@ -9,6 +9,9 @@ from typing import Literal
 from berth_common.auth import Keys, settle_keys
 from berth_common.dataclass_cli import DataclassCli
 
+# How `tool_choice: auto` reads tool calls in a model's text (entrypoints/tool_calls.py).
+TOOL_CALL_PARSERS = ("hermes", "llama3")
+
 DEFAULT_PORT = 30000
 DEFAULT_SERVED_NAME = "smollm2-135m-instruct"
 BUILTIN_MODEL = "builtin://smollm2-135m-instruct"
@@ -57,6 +60,22 @@ class ServerArgs(DataclassCli):
             "needs a C++ compiler. torch_native: eager PyTorch "
             "(a K/V gather + SDPA), any device. auto = berth_cpu on CPU when the kernels build "
             "there (else torch_native, with a warning), torch_native on CUDA."
+        },
+    )
+    grammar_backend: Literal["xgrammar", "none"] = field(
+        default="xgrammar",
+        metadata={
+            "help": "Engine for constrained decoding (response_format json_schema/json_object, "
+            "tool_choice required or named, /generate's json_schema, regex and ebnf). none: "
+            "refuse such requests with a 400."
+        },
+    )
+    tool_call_parser: str | None = field(
+        default=None,
+        metadata={
+            "help": "How to read tool calls in the model's text when tool_choice is auto: hermes "
+            "(Hermes, Qwen 2.5/3: <tool_call>...</tool_call>) or llama3 (Llama 3.x JSON). "
+            "Unset: auto answers text. tool_choice required or a named function needs none."
         },
     )
     device: Literal["auto", "cpu", "cuda"] = field(
@@ -184,6 +203,11 @@ class ServerArgs(DataclassCli):
             "max_request_body_mb",
         ):
             positive(name, getattr(self, name))
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(
+                f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
         if self.gguf_q4_max_batch < 0:
             raise ValueError(f"--gguf-q4-max-batch must be >= 0, got {self.gguf_q4_max_batch}")
         if self.watchdog_timeout <= 0:

@@ -171,6 +171,8 @@ def runtime_args(spec: InferenceServiceSpec) -> list[str]:
         ("--max-queued-requests", a.max_queued_requests),
         ("--schedule-policy", a.schedule_policy),
         ("--log-level", a.log_level),
+        ("--grammar-backend", a.grammar_backend),
+        ("--tool-call-parser", a.tool_call_parser),
     ):
         if value is not None:
             args += [flag, str(value)]

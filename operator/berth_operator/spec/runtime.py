@@ -26,6 +26,8 @@ DEVICES = ("auto", "cpu", "cuda")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "priority")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+GRAMMAR_BACKENDS = ("xgrammar", "none")
+TOOL_CALL_PARSERS = ("hermes", "llama3")
 
 # Flags the operator renders itself; `runtime.extraArgs` may not repeat or override them.
 MANAGED_FLAGS = (
@@ -89,6 +91,17 @@ class RuntimeArgs:
         "Do not share cached prompt prefixes across requests.", False, schema_default=False
     )
     log_level: str | None = enum("Log level of every runtime process.", LOG_LEVELS)
+    grammar_backend: str | None = enum(
+        "Engine for constrained decoding: response_format json_schema / json_object, "
+        "tool_choice required or a named function, /generate's json_schema, regex and ebnf "
+        "(default xgrammar; none refuses such requests with a 400).",
+        GRAMMAR_BACKENDS,
+    )
+    tool_call_parser: str | None = enum(
+        "How tool calls are read out of the model's text when tool_choice is auto: hermes "
+        "(Hermes, Qwen 2.5/3) or llama3 (Llama 3.x JSON). Unset: auto answers text.",
+        TOOL_CALL_PARSERS,
+    )
 
 
 @spec_object("A reference to a docker-registry Secret in the same namespace.")

@@ -91,6 +91,12 @@ def run_parser() -> argparse.ArgumentParser:
         "--num-groups", type=positive, default=1, help="shared-prefix: groups (distinct prefixes)"
     )
     work.add_argument("--tokenizer", help="tokenizer directory (default: the embedded model's)")
+    work.add_argument(
+        "--json-schema",
+        help="structured output: constrain every answer to this JSON schema (response_format "
+        "json_schema): 'builtin' (six records), a file, or the schema's JSON; answers end when "
+        "the JSON does",
+    )
     work.add_argument("--seed", type=int, default=0, help="seeds prompts and Poisson arrivals")
 
     load = p.add_argument_group("load")
@@ -130,7 +136,7 @@ def run_main(argv: list[str]) -> int:
 
     from berth_runtime.bench.client import BenchConfig, run_benchmark
     from berth_runtime.bench.metrics import format_summary
-    from berth_runtime.bench.workload import build_workload, load_tokenizer
+    from berth_runtime.bench.workload import build_workload, json_schema_format, load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer)
     try:
@@ -148,6 +154,12 @@ def run_main(argv: list[str]) -> int:
         )
     except ValueError as err:
         run_parser().error(str(err))
+    try:
+        extra_body = (
+            {"response_format": json_schema_format(args.json_schema)} if args.json_schema else {}
+        )
+    except (OSError, ValueError) as err:
+        run_parser().error(f"--json-schema: {err}")
     server = None
     base_url, server_pid = args.base_url, args.server_pid
     if args.launch_server:
@@ -179,6 +191,7 @@ def run_main(argv: list[str]) -> int:
         flush_cache=args.flush_cache,
         tokenizer=tokenizer,
         label="berth" if server else "",
+        extra_body=extra_body,
     )
     try:
         result = run_benchmark(cfg, requests)

@@ -16,6 +16,7 @@ Workloads:
 from __future__ import annotations
 
 import functools
+import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -293,3 +294,46 @@ def build_workload(
             seed,
         )
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+
+
+# The structured-output workload's default schema: a list of records of the kind applications ask
+# for (strings, an enum, bounded integers, a nested array), long enough to be measured.
+RECORDS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "records": {
+            "type": "array",
+            "minItems": 6,
+            "maxItems": 6,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 16},
+                    "city": {"enum": ["Paris", "Rome", "Madrid", "Lisbon", "Oslo"]},
+                    "score": {"type": "integer", "minimum": 0, "maximum": 100},
+                    "tags": {
+                        "type": "array",
+                        "maxItems": 3,
+                        "items": {"enum": ["new", "vip", "late", "paid"]},
+                    },
+                },
+                "required": ["name", "city", "score", "tags"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["records"],
+    "additionalProperties": False,
+}
+
+
+def json_schema_format(source: str) -> dict[str, Any]:
+    """`response_format` for `--json-schema`: `builtin` (RECORDS_SCHEMA), a file, or JSON text."""
+    if source == "builtin":
+        schema = RECORDS_SCHEMA
+    elif source.lstrip().startswith("{"):
+        schema = json.loads(source)
+    else:
+        with open(source, encoding="utf-8") as f:
+            schema = json.load(f)
+    return {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}

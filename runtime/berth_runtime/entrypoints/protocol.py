@@ -4,11 +4,12 @@ Requests treat an explicit `null` as "not set" and validate the types and bounds
 they know, so that a bad value is a 400 whose `param` names the field (see `validation_error`).
 Every OpenAI parameter is honoured, accepted where it changes nothing here (`NO_EFFECT`: the
 README lists them), or refused with a 400 naming it (`unsupported`) unless it asks for nothing
-(`tools: []`, `response_format: {"type": "text"}`). Fields OpenAI does not have are ignored.
+(`tools: []`, `function_call: "none"`). Fields OpenAI does not have are ignored.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
@@ -28,6 +29,8 @@ from pydantic import (
 )
 
 from berth_common.errors import RequestError
+from berth_runtime.constrained.spec import GrammarSpec
+from berth_runtime.entrypoints.tool_calls import ToolPlan, plan_tools
 
 MAX_N = 128  # OpenAI's own bound; a server may serve fewer (--max-sequences-per-request)
 MAX_STOP_STRINGS = 64
@@ -73,7 +76,7 @@ def json_integers(value: Any) -> Any:
 # Likewise `"n": "2"`: the document says integer, and so does parsing.
 StrictInt = Annotated[int, BeforeValidator(json_integer)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 def _now() -> int:
@@ -136,12 +139,52 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    """`response_format.json_schema`: the schema the output must match (`strict` is how OpenAI
+    asks for exactly that; here every schema is enforced, strict or not)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """`text` (anything), `json_object` (any JSON object) or `json_schema` (that schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
+
+
+class FunctionCall(OpenAIBaseModel):
+    """A call's function: its name and its arguments as a JSON text (OpenAI's shape)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
-    """One message; a list of text parts is joined with newlines into one string on input."""
+    """One message; a list of text parts is joined with newlines into one string on input. An
+    assistant message may carry the tool calls it made, and a `tool` message answers one."""
 
     # `developer` is OpenAI's newer name for `system` (the openai SDK's own examples send it).
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str = ""
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -180,6 +223,11 @@ class SamplingRequest(OpenAIBaseModel):
     min_tokens: StrictInt = Field(0, ge=0)
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
+    # Constrained output: OpenAI's response_format, or (SGLang's extensions) a regular
+    # expression or an EBNF grammar; at most one of them.
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
     # OpenAI parameters that change nothing here (NO_EFFECT), accepted so that clients which
     # always send them work.
     user: str | None = None
@@ -198,29 +246,78 @@ class SamplingRequest(OpenAIBaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def constraints(self) -> list[tuple[str, GrammarSpec | None]]:
+        """(field, grammar) of each field that can constrain the output."""
+        return [
+            ("response_format", response_format_grammar(self.response_format)),
+            ("regex", GrammarSpec("regex", self.regex) if self.regex is not None else None),
+            ("ebnf", GrammarSpec("ebnf", self.ebnf) if self.ebnf is not None else None),
+        ]
+
+    def grammar(self) -> tuple[str, GrammarSpec] | None:
+        """The field that constrains the output, and its grammar; None if none does, a 400 if
+        more than one would."""
+        given = [(name, spec) for name, spec in self.constraints() if spec is not None]
+        if len(given) > 1:
+            names = " and ".join(name for name, _ in given)
+            raise RequestError(f"give at most one of {names}", param=given[1][0])
+        return given[0] if given else None
+
+
+# `json_object`: any JSON object, as OpenAI's JSON mode.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+def response_format_grammar(response_format: ResponseFormat | None) -> GrammarSpec | None:
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return GrammarSpec("json_schema", JSON_OBJECT_SCHEMA)
+    assert response_format.json_schema is not None
+    return GrammarSpec("json_schema", json.dumps(response_format.json_schema.schema_))
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: StrictBool | None = None
+
+
+class Tool(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    # Refused unless they ask for nothing (see `unsupported`); tools and response formats are
-    # another issue's (#17).
-    tools: Any = None
-    tool_choice: Any = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None  # default: auto with tools, none without
+    parallel_tool_calls: StrictBool = True
+    # Refused unless they ask for nothing (see `unsupported`).
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
     web_search_options: Any = None
     reasoning_effort: Any = None
-    parallel_tool_calls: StrictBool | None = None  # no effect without tools
 
     @field_validator(
-        "tools",
-        "tool_choice",
         "functions",
         "function_call",
-        "response_format",
         "audio",
         "modalities",
         "prediction",
@@ -253,6 +350,13 @@ class ChatCompletionRequest(SamplingRequest):
 
     def sequence_count(self) -> int:
         return self.n
+
+    def tool_plan(self, parser: str | None = None) -> ToolPlan:
+        """How this request uses its tools (`parser`: the server's --tool-call-parser)."""
+        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
+
+    def constraints(self) -> list[tuple[str, GrammarSpec | None]]:
+        return [*super().constraints(), ("tool_choice", self.tool_plan().grammar())]
 
 
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
@@ -320,16 +424,12 @@ NO_EFFECT = {
     "store": "nothing is stored: no completions API for stored completions",
     "metadata": "only meaningful for stored completions",
     "service_tier": "one tier",
-    "parallel_tool_calls": "no tools yet",
 }
 
 # What each refused parameter may be set to, because it then asks for nothing.
 HARMLESS: dict[str, tuple[Any, ...]] = {
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "suffix": ("",),
 }
@@ -394,7 +494,15 @@ class ChoiceLogprobs(OpenAIBaseModel):
 
 class ChatCompletionMessage(OpenAIBaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str = ""
+    content: str | None = None  # None when the answer is only tool calls
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _no_empty_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatCompletionChoice(OpenAIBaseModel):
@@ -414,11 +522,35 @@ class ChatCompletionResponse(OpenAIBaseModel):
     system_fingerprint: str | None = None
 
 
+class FunctionCallDelta(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _skip_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ToolCallDelta(OpenAIBaseModel):
+    """A streamed part of tool call `index`: its first part has the id, type and name, later
+    parts continue its arguments (the openai SDK joins them)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+    @model_serializer(mode="wrap")
+    def _skip_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
 class DeltaMessage(OpenAIBaseModel):
     """A stream delta; unset fields are left out, so a finish chunk's delta is `{}`."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _skip_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -30,9 +30,11 @@ from transformers import PreTrainedTokenizerBase
 
 from berth_common.errors import RequestError
 from berth_common.http import SSE_DONE, sse_event
+from berth_runtime.constrained.spec import GrammarSpec
 from berth_runtime.entrypoints.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 from berth_runtime.io_struct import GenerateReqInput, RequestOutput
 from berth_runtime.sampling_params import SamplingParams
+from berth_runtime.server_args import ServerArgs
 
 Output = RequestOutput
 RequestT = TypeVar("RequestT", bound=SamplingRequest)
@@ -48,6 +50,7 @@ class EngineClient(Protocol):
     """The TokenizerManager surface the handlers use."""
 
     tokenizer: PreTrainedTokenizerBase
+    args: ServerArgs
     model_name: str
     context_len: int
     max_sequences_per_request: int
@@ -57,6 +60,8 @@ class EngineClient(Protocol):
     async def run_tokenizer(self, fn: Callable[..., T], *args: object) -> T: ...
 
     def check_prompt_chars(self, chars: int, param: str) -> None: ...
+
+    def check_grammar(self, spec: GrammarSpec, param: str) -> None: ...
 
 
 class StreamChunker(Protocol):
@@ -81,6 +86,13 @@ class OpenAIServingBase(ABC, Generic[RequestT]):
         self._check_model(request.model)
         check_sequences(request.sequence_count(), self.tokenizer_manager, "n")
         base_rid = request.rid or uuid.uuid4().hex
+        constraint = request.grammar()
+        if constraint is not None:
+            # A bad schema is the client's error, named by its field, before anything runs.
+            param, spec = constraint
+            await self.tokenizer_manager.run_tokenizer(
+                self.tokenizer_manager.check_grammar, spec, param
+            )
         # Templating and tokenizing happen here: off the event loop.
         reqs = await self.tokenizer_manager.run_tokenizer(
             self.build_inputs, request, raw_request, base_rid
@@ -181,6 +193,8 @@ def choice_inputs(
 
 def sampling_params(request: SamplingRequest, max_new_tokens: int | None) -> SamplingParams:
     """The OpenAI sampling fields as SamplingParams (top_k 0 means disabled, like -1)."""
+    constraint = request.grammar()
+    grammar = {constraint[1].kind: constraint[1].source} if constraint else {}
     return SamplingParams(
         max_new_tokens=max_new_tokens,
         min_new_tokens=request.min_tokens,
@@ -197,6 +211,7 @@ def sampling_params(request: SamplingRequest, max_new_tokens: int | None) -> Sam
         repetition_penalty=request.repetition_penalty,
         logit_bias=dict(request.logit_bias),
         seed=request.seed,
+        **grammar,
     )
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from functools import partial
+from typing import Any
 
 import jinja2
 from fastapi import Request
@@ -19,6 +21,11 @@ from berth_runtime.entrypoints.protocol import (
     ChatMessage,
     ChoiceLogprobs,
     DeltaMessage,
+    FunctionCall,
+    FunctionCallDelta,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     UsageInfo,
 )
@@ -30,6 +37,13 @@ from berth_runtime.entrypoints.serving_base import (
     finite,
     sampling_params,
     usage_info,
+)
+from berth_runtime.entrypoints.tool_calls import (
+    ParsedCall,
+    ToolPlan,
+    ToolStream,
+    new_call_id,
+    read_calls,
 )
 from berth_runtime.io_struct import GenerateReqInput
 
@@ -45,7 +59,7 @@ class OpenAIServingChat(OpenAIServingBase[ChatCompletionRequest]):
         return choice_inputs(
             request,
             raw_request,
-            [self._apply_chat_template(request.messages)],
+            [self._apply_chat_template(request.messages, request.tools)],
             base_rid,
             sampling_params(request, request.max_new_tokens),
             return_logprob=request.logprobs,
@@ -56,7 +70,8 @@ class OpenAIServingChat(OpenAIServingBase[ChatCompletionRequest]):
         self, request: ChatCompletionRequest, response_id: str, reqs: list[GenerateReqInput]
     ) -> ChatChunker:
         model = self.tokenizer_manager.model_name
-        return ChatChunker(response_id, model, len(reqs), request.logprobs)
+        plan = request.tool_plan(self.tokenizer_manager.args.tool_call_parser)
+        return ChatChunker(response_id, model, len(reqs), request.logprobs, plan)
 
     def build_response(
         self,
@@ -65,15 +80,18 @@ class OpenAIServingChat(OpenAIServingBase[ChatCompletionRequest]):
         reqs: list[GenerateReqInput],
         outputs: list[Output],
     ) -> ChatCompletionResponse:
-        choices = [
-            ChatCompletionChoice(
-                index=index,
-                message=ChatCompletionMessage(content=out.text),
-                logprobs=chat_logprobs(out) if request.logprobs else None,
-                finish_reason=finish_reason(out),
+        plan = request.tool_plan(self.tokenizer_manager.args.tool_call_parser)
+        choices = []
+        for index, out in enumerate(outputs):
+            message, reason = answer(plan, out)
+            choices.append(
+                ChatCompletionChoice(
+                    index=index,
+                    message=message,
+                    logprobs=chat_logprobs(out) if request.logprobs else None,
+                    finish_reason=reason,
+                )
             )
-            for index, out in enumerate(outputs)
-        ]
         return ChatCompletionResponse(
             id=response_id,
             model=self.tokenizer_manager.model_name,
@@ -81,16 +99,23 @@ class OpenAIServingChat(OpenAIServingBase[ChatCompletionRequest]):
             usage=usage_info(outputs, request.n),
         )
 
-    def _apply_chat_template(self, messages: list[ChatMessage]) -> list[int]:
-        """The prompt's token ids: the rendered template plus the assistant's generation prompt,
-        tokenized without adding special tokens again (the template has them)."""
+    def _apply_chat_template(
+        self, messages: list[ChatMessage], tools: list[Tool] | None
+    ) -> list[int]:
+        """The prompt's token ids: the rendered template (with the tool definitions, for a
+        template that shows them) plus the assistant's generation prompt, tokenized without
+        adding special tokens again (the template has them)."""
         tokenizer = self.tokenizer_manager.tokenizer
+        rendered = [template_message(message) for message in messages]
+        definitions = [tool.model_dump(exclude_none=True) for tool in tools or []]
         self.tokenizer_manager.check_prompt_chars(
-            sum(len(message.content) for message in messages), "messages"
+            sum(len(message.content) for message in messages) + len(json.dumps(definitions)),
+            "messages",
         )
         try:
             prompt = tokenizer.apply_chat_template(
-                [template_message(message) for message in messages],
+                rendered,
+                tools=definitions or None,
                 add_generation_prompt=True,
                 tokenize=False,
             )
@@ -99,14 +124,45 @@ class OpenAIServingChat(OpenAIServingBase[ChatCompletionRequest]):
         return tokenizer.encode(prompt, add_special_tokens=False)
 
 
+def answer(plan: ToolPlan, out: Output) -> tuple[ChatCompletionMessage, str | None]:
+    """A whole choice's message (its content and tool calls) and its finish reason."""
+    reason = finish_reason(out)
+    if not plan.parses or reason != "stop":
+        return ChatCompletionMessage(content=out.text), reason
+    content, calls = read_calls(plan, out.text)
+    if not calls:
+        return ChatCompletionMessage(content=content), reason
+    tool_calls = [
+        ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+        for c in calls
+    ]
+    return ChatCompletionMessage(content=content, tool_calls=tool_calls), calls_finish(plan)
+
+
+def calls_finish(plan: ToolPlan) -> str:
+    """As OpenAI: a call the client forced by name ends with `stop`; one the model chose (or was
+    required to make) with `tool_calls`."""
+    return "stop" if plan.mode == "named" else "tool_calls"
+
+
 class ChatChunker:
     """chat.completion.chunk objects: a role chunk per choice, content deltas carrying the logprobs
-    of their tokens, and a finish chunk with an empty delta when a choice ends."""
+    of their tokens, tool call deltas, and a finish chunk with an empty delta when a choice
+    ends."""
 
-    def __init__(self, response_id: str, model: str, n_choices: int, logprobs: bool) -> None:
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        n_choices: int,
+        logprobs: bool,
+        plan: ToolPlan | None = None,
+    ) -> None:
         self._chunk = partial(ChatCompletionStreamResponse, id=response_id, model=model)
         self._n_choices = n_choices
         self._logprobs = logprobs
+        self._plan = plan if plan is not None and plan.parses else None
+        self._tools = [ToolStream(self._plan) for _ in range(n_choices)] if self._plan else []
 
     def opening(self) -> list[ChatCompletionStreamResponse]:
         role = DeltaMessage(role="assistant", content="")
@@ -116,6 +172,8 @@ class ChatChunker:
         ]
 
     def advance(self, index: int, out: Output) -> list[ChatCompletionStreamResponse]:
+        if self._plan is not None:
+            return self._advance_tools(index, out)
         logprobs = chat_logprobs(out) if self._logprobs else None
         chunks = []
         if out.text or (logprobs is not None and logprobs.content):
@@ -132,6 +190,65 @@ class ChatChunker:
 
     def usage(self, usage: UsageInfo) -> ChatCompletionStreamResponse:
         return self._chunk(choices=[], usage=usage)
+
+    def _advance_tools(self, index: int, out: Output) -> list[ChatCompletionStreamResponse]:
+        """A choice whose text may hold tool calls: content as it can be sent, a named call's
+        arguments as they are generated, other calls whole once the choice ends."""
+        stream = self._tools[index]
+        logprobs = chat_logprobs(out) if self._logprobs else None
+        deltas: list[DeltaMessage] = []
+        ready = stream.feed(out.text)
+        if stream.call_id is not None:  # a named function: its arguments stream
+            if ready or not stream.started:
+                function = FunctionCallDelta(arguments=ready)
+                call = ToolCallDelta(index=0, function=function)
+                if not stream.started:
+                    stream.started = True
+                    call = ToolCallDelta(
+                        index=0,
+                        id=stream.call_id,
+                        type="function",
+                        function=FunctionCallDelta(name=stream.plan.function, arguments=ready),
+                    )
+                deltas.append(DeltaMessage(tool_calls=[call]))
+        elif ready:
+            deltas.append(DeltaMessage(content=ready))
+        reason = finish_reason(out)
+        calls: list[ParsedCall] = []
+        if reason is not None:
+            rest, calls = stream.finish() if reason == "stop" else (stream.flush(), [])
+            if rest:
+                deltas.append(DeltaMessage(content=rest))
+            deltas += [
+                DeltaMessage(
+                    tool_calls=[
+                        ToolCallDelta(
+                            index=i,
+                            id=new_call_id(),
+                            type="function",
+                            function=FunctionCallDelta(name=c.name, arguments=c.arguments),
+                        )
+                    ]
+                )
+                for i, c in enumerate(calls)
+            ]
+            if stream.call_id is not None and reason == "stop" or calls:
+                reason = calls_finish(stream.plan)
+        chunks = []
+        for position, delta in enumerate(deltas):
+            lp = logprobs if position == 0 else None
+            choice = ChatCompletionStreamChoice(index=index, delta=delta, logprobs=lp)
+            chunks.append(self._chunk(choices=[choice]))
+        if not deltas and logprobs is not None and logprobs.content:
+            delta = DeltaMessage(content="")
+            choice = ChatCompletionStreamChoice(index=index, delta=delta, logprobs=logprobs)
+            chunks.append(self._chunk(choices=[choice]))
+        if reason is not None:
+            finish = ChatCompletionStreamChoice(
+                index=index, delta=DeltaMessage(), finish_reason=reason
+            )
+            chunks.append(self._chunk(choices=[finish]))
+        return chunks
 
 
 def chat_logprobs(out: Output) -> ChoiceLogprobs:
@@ -158,7 +275,33 @@ def _utf8(token: str) -> list[int]:
     return list(token.encode("utf-8"))
 
 
-def template_message(message: ChatMessage) -> dict[str, str]:
-    """A message as the chat template takes it: `developer` is `system` by its older name."""
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as the chat template takes it, as transformers documents: `developer` is
+    `system` by its older name; an assistant's tool calls carry their arguments as an object
+    (templates render them with `tojson`), and a tool's answer its call id."""
     role = "system" if message.role == "developer" else message.role
-    return {"role": role, "content": message.content}
+    rendered: dict[str, Any] = {"role": role, "content": message.content}
+    if message.tool_calls:
+        rendered["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {
+                    "name": call.function.name,
+                    "arguments": _arguments_object(call.function.arguments),
+                },
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        rendered["name"] = message.name
+    return rendered
+
+
+def _arguments_object(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments  # not JSON: the template shows it as it came

@@ -51,6 +51,15 @@ class OutputProcessor:
         now = time.time()
         for i, (req, token) in enumerate(zip(reqs, sampled.token_ids)):
             req.output_ids.append(token)
+            if req.matcher is not None and not req.matcher.accept(token):
+                # The mask allowed only what the grammar allows; a refusal means a bug, which
+                # must end this request rather than let it continue outside its grammar.
+                req.finished_reason = FinishReason(
+                    "abort",
+                    message=f"token {token} is outside the request's grammar",
+                    status_code=500,
+                )
+                continue
             if not req.first_token_time:
                 req.first_token_time = now
             logprob = sampled.logprobs[i]
@@ -67,6 +76,10 @@ class OutputProcessor:
         params = req.sampling_params
         token = req.output_ids[-1]
         num_out = len(req.output_ids)
+        if req.matcher is not None and req.matcher.finished:
+            # The grammar is complete and its stop token taken, even with ignore_eos.
+            req.finished_reason = FinishReason("stop", matched_token=token)
+            return
         if num_out >= params.min_new_tokens:
             if token in params.stop_token_ids or (
                 not params.ignore_eos and token in self.eos_token_ids

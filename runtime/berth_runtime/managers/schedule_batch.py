@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from berth_runtime.io_struct import FinishReason, TokenizedGenerateReqInput, TopLogprobs
 from berth_runtime.mem_cache.radix_cache import TreeNode
 from berth_runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from berth_runtime.constrained.grammar import Matcher
 
 
 class Req:
@@ -43,6 +48,8 @@ class Req:
         "scheduled_time",
         "first_token_time",
         "max_stop_str_len",
+        "grammar_future",
+        "matcher",
     )
 
     def __init__(
@@ -90,6 +97,10 @@ class Req:
         self.scheduled_time = 0.0
         self.first_token_time = 0.0
         self.max_stop_str_len = max((len(s) for s in sampling_params.stop), default=0)
+        # A constrained request: its grammar being compiled, then its place in the grammar (kept
+        # across retraction and preemption, which keep the output it has accepted).
+        self.grammar_future: Future[Any] | None = None
+        self.matcher: Matcher | None = None
 
     @classmethod
     def from_tokenized(cls, msg: TokenizedGenerateReqInput, max_new_tokens: int) -> Req:

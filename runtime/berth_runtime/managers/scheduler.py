@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from berth_runtime.constrained.grammar import GrammarCompiler, GrammarError, Matcher
 from berth_runtime.io_struct import (
     AbortReq,
     BatchOutput,
@@ -50,6 +51,7 @@ class Scheduler:
         *,
         eos_token_ids: set[int],
         decode: Callable[[list[int]], str],
+        grammar: GrammarCompiler | None = None,
     ) -> None:
         self.args = args
         self.runner = runner
@@ -64,6 +66,9 @@ class Scheduler:
         self.policy = SchedulePolicy(args, self.kv, self.max_running)
         self.outputs = OutputProcessor(eos_token_ids, decode, self.context_len)
         self.finished_unsent: list[Req] = []  # finished outside a step (aborted, rejected)
+        self.grammar = grammar
+        # Constrained requests whose grammar is compiling; they join the queue once it is ready.
+        self.grammar_queue: list[Req] = []
 
     # --- inputs ------------------------------------------------------------------------------
 
@@ -81,14 +86,46 @@ class Scheduler:
             self.finished_unsent.append(req)
             return
         limit = self.args.max_queued_requests
-        if limit is not None and self.policy.num_queued() >= limit:
+        if limit is not None and self.policy.num_queued() + len(self.grammar_queue) >= limit:
             self._finish_abort(req, f"too many queued requests ({limit}); retry later", 503)
             return
+        spec = msg.sampling_params.grammar
+        if spec is not None:
+            if self.grammar is None:
+                self._finish_abort(req, "constrained decoding is off (--grammar-backend none)", 400)
+                return
+            req.grammar_future = self.grammar.submit(spec)
+            self.grammar_queue.append(req)
+            return
         self.policy.waiting.append(req)
+
+    def _admit_compiled(self) -> None:
+        """Queue the constrained requests whose grammar has compiled (refuse those that failed)."""
+        compiling = []
+        for req in self.grammar_queue:
+            future = req.grammar_future
+            assert future is not None
+            if not future.done():
+                compiling.append(req)
+                continue
+            req.grammar_future = None
+            try:
+                req.matcher = Matcher(future.result())
+            except GrammarError as e:
+                self._finish_abort(req, f"invalid grammar: {e}", 400)
+            else:
+                self.policy.waiting.append(req)
+        self.grammar_queue = compiling
 
     def handle_abort(self, msg: AbortReq) -> None:
         for req in self.policy.live_reqs():
             if msg.abort_all or req.rid == msg.rid:
+                self._finish_abort(req, msg.message, msg.status_code)
+        for req in list(self.grammar_queue):
+            if msg.abort_all or req.rid == msg.rid:
+                self.grammar_queue.remove(req)
+                if req.grammar_future is not None:
+                    req.grammar_future.cancel()
                 self._finish_abort(req, msg.message, msg.status_code)
 
     def handle_flush_cache(self, _: FlushCacheReq) -> FlushCacheOut:
@@ -107,10 +144,17 @@ class Scheduler:
 
     @property
     def is_idle(self) -> bool:
-        return not (self.policy.is_busy() or self.finished_unsent)
+        return not (self.policy.is_busy() or self.finished_unsent or self.grammar_queue)
+
+    @property
+    def only_compiling(self) -> bool:
+        """Nothing to run but grammars still compiling: worth a short wait, not a spin."""
+        return bool(self.grammar_queue) and not (self.policy.is_busy() or self.finished_unsent)
 
     def step(self) -> BatchOutput | None:
         """Run one batch; return what advanced (None when there was nothing to do)."""
+        if self.grammar_queue:
+            self._admit_compiled()
         batch = self.policy.next_batch()
         result = self._execute(batch) if batch is not None else None
         return self._update(batch, result)
@@ -226,7 +270,7 @@ class Scheduler:
         return SchedulerStats(
             time=time.time(),
             num_running_reqs=self.policy.num_live,
-            num_waiting_reqs=len(self.policy.waiting),
+            num_waiting_reqs=len(self.policy.waiting) + len(self.grammar_queue),
             num_used_tokens=used,
             num_cached_tokens=self.kv.cached_size(),
             max_total_num_tokens=self.max_total_tokens,

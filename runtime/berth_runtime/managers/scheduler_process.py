@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
 IDLE_POLL_MS = 100
+GRAMMAR_POLL_MS = 2  # while the only work is a grammar compiling on its thread
 LOG_INTERVAL_S = 10.0
 
 
@@ -71,11 +72,18 @@ def run_scheduler_process(
         progress = LoadProgress(report=report)
         runner = ModelRunner(model_path, args, progress)
         tokenizer = load_tokenizer(model_path)
+        eos_ids = eos_token_ids(model_path, tokenizer)
+        grammar = None
+        if args.grammar_backend == "xgrammar":
+            from berth_runtime.constrained.grammar import GrammarCompiler
+
+            grammar = GrammarCompiler.for_tokenizer(tokenizer, runner.vocab_size, eos_ids)
         scheduler = Scheduler(
             args,
             runner,
-            eos_token_ids=eos_token_ids(model_path, tokenizer),
+            eos_token_ids=eos_ids,
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            grammar=grammar,
         )
         ready.send({"status": "loading", "phase": "warming up", **progress.to_json()})
         warmup(scheduler)
@@ -130,7 +138,13 @@ def event_loop(scheduler: Scheduler, ports: PortArgs, parent_pid: int) -> None:
     report_long_steps(clock, ctx, ports.tokenizer_input)
     with torch.inference_mode():
         while True:
-            timeout = IDLE_POLL_MS if scheduler.is_idle else 0
+            timeout = (
+                IDLE_POLL_MS
+                if scheduler.is_idle
+                else GRAMMAR_POLL_MS
+                if scheduler.only_compiling
+                else 0
+            )
             for msg in recv_from_tokenizer.recv_all(timeout):
                 if isinstance(msg, TokenizedGenerateReqInput):
                     scheduler.handle_generate(msg)

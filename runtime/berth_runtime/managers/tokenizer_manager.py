@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -19,6 +20,8 @@ import zmq
 import zmq.asyncio
 
 from berth_common.errors import EngineDeadError, RequestError
+from berth_runtime.constrained.grammar import GrammarError, check_grammar
+from berth_runtime.constrained.spec import GrammarSpec
 from berth_runtime.io_struct import (
     AbortReq,
     BatchOutput,
@@ -41,6 +44,9 @@ from berth_runtime.server_args import ServerArgs
 from berth_runtime.utils.zmq_ipc import PortArgs
 
 logger = logging.getLogger(__name__)
+
+# One parse per distinct grammar: clients send the same schema with every request.
+checked_grammar = functools.lru_cache(maxsize=1024)(check_grammar)
 T = TypeVar("T")
 
 RETRY_AFTER_S = 1
@@ -154,6 +160,18 @@ class TokenizerManager:
         """Run `fn` (templating, tokenizing) on the tokenizer thread, off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
+    def check_grammar(self, spec: GrammarSpec, param: str) -> None:
+        """Refuse, before anything is queued, a grammar this server cannot enforce: xgrammar's
+        message for an invalid one (checked once per distinct grammar)."""
+        if self.args.grammar_backend == "none":
+            raise RequestError(
+                "constrained decoding is off on this server (--grammar-backend none)", param=param
+            )
+        try:
+            checked_grammar(spec)
+        except GrammarError as e:
+            raise RequestError(f"invalid {spec.kind.replace('_', ' ')}: {e}", param=param) from e
+
     def check_prompt_chars(self, chars: int, param: str) -> None:
         """Refuse, before tokenizing, a prompt too long in characters to fit in the context."""
         if chars > self.max_prompt_chars:
@@ -182,6 +200,9 @@ class TokenizerManager:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         self._check_rank(obj)
+        spec = obj.sampling_params.grammar if obj.sampling_params else None
+        if spec is not None:
+            await self.run_tokenizer(self.check_grammar, spec, f"sampling_params.{spec.kind}")
         text_ids = None
         if obj.input_ids is None and obj.text is not None:
             self.check_prompt_chars(len(obj.text), "prompt")

@@ -1,16 +1,19 @@
 """Sampler: turn a batch of logits into next tokens (and their logprobs), vectorized over the
-batch: logit bias, penalties and min_tokens first, then greedy or seeded sampling."""
+batch: grammar masks, logit bias, penalties and min_tokens first, then greedy or seeded sampling."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from berth_runtime.io_struct import TopLogprobs
 from berth_runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from berth_runtime.constrained.grammar import Matcher
 
 
 class SamplingRow(Protocol):
@@ -22,6 +25,7 @@ class SamplingRow(Protocol):
     top_logprobs_num: int
     output_ids: list[int]
     origin_input_ids: list[int]
+    matcher: Matcher | None
 
 
 @dataclass
@@ -36,9 +40,16 @@ class SampleOutput:
 def sample_rows(
     logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: set[int]
 ) -> SampleOutput:
-    """Next tokens for fp32 `logits` [B, V] of `rows` (modified in place where a row asks for
-    bias, penalties or min_tokens). Logprobs are those of the model, before any processing."""
+    """Next tokens for fp32 `logits` [B, V] of `rows` (modified in place where a row asks for a
+    grammar, bias, penalties or min_tokens). Logprobs are those of the model, before any
+    processing, except that a constrained row's are over what its grammar allows: the
+    distribution its token was really drawn from."""
     none: list = [None] * len(rows)
+    matchers = [r.matcher for r in rows]
+    if any(m is not None for m in matchers):
+        from berth_runtime.constrained.grammar import apply_grammars
+
+        apply_grammars(logits, matchers)
     if all(plain_greedy(r) for r in rows):
         # max().indices, like argmax, takes the first maximum (and is faster).
         return SampleOutput(logits.max(dim=-1).indices.tolist(), none, list(none))
@@ -65,7 +76,7 @@ def sample_rows(
 
 def plain_greedy(row: SamplingRow) -> bool:
     """Greedy with nothing that reads or changes the logits (logprobs, bias, penalties,
-    min_tokens)."""
+    min_tokens) but a grammar's mask, which is applied before."""
     params = row.sampling_params
     return (
         params.is_greedy
@@ -88,7 +99,8 @@ def process_logits(
             logits[i, ids] += bias
         if params.has_penalties:
             apply_penalties(logits, i, params, row.output_ids, row.origin_input_ids)
-        if len(row.output_ids) < params.min_new_tokens:
+        # A grammar decides where its output ends: banning its stop token could leave nothing.
+        if len(row.output_ids) < params.min_new_tokens and row.matcher is None:
             banned = set(params.stop_token_ids)
             if not params.ignore_eos:
                 banned |= eos_token_ids

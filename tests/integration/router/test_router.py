@@ -127,6 +127,51 @@ def test_one_request_id_through_the_router_and_the_rank(
     assert f"request_id={fresh.headers['x-request-id']}" in ranks[served_by(fresh)].output()
 
 
+def test_structured_output_and_tool_calls_pass_through_unchanged(
+    router: RunningRouter, model: str
+) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{router.base_url}/v1", api_key="x", max_retries=0)
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "year": {"type": "integer"}},
+        "required": ["city", "year"],
+        "additionalProperties": False,
+    }
+    answer = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Where and when?"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
+        max_tokens=60,
+        temperature=0,
+    )
+    assert set(json.loads(answer.choices[0].message.content or "")) == {"city", "year"}
+    tool = {
+        "type": "function",
+        "function": {"name": "lookup", "parameters": schema},
+    }
+    called = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Look it up."}],
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "lookup"}},
+        max_tokens=60,
+        temperature=0,
+    )
+    (call,) = called.choices[0].message.tool_calls or []
+    assert call.function.name == "lookup" and set(json.loads(call.function.arguments)) == {
+        "city",
+        "year",
+    }
+    bad = httpx.post(
+        f"{router.base_url}/v1/chat/completions",
+        json={"model": model, "messages": [{"role": "user", "content": "x"}], "regex": "a(b"},
+        timeout=TIMEOUT,
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "regex"
+
+
 def test_pinning_a_rank_that_does_not_exist_is_400(router: RunningRouter, model: str) -> None:
     body = assert_openai_error(
         complete(router.base_url, model, "x", headers={"X-Data-Parallel-Rank": "3"}),

@@ -15,8 +15,11 @@ MODEL = "smollm2-135m-instruct"
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[RunningServer]:
-    """One fp32 server shared by the request-path tests (start-up costs seconds)."""
-    srv = RunningServer("--dtype", "float32", "--log-level", "info").wait_ready()
+    """One fp32 server shared by the request-path tests (start-up costs seconds); it reads
+    Hermes tool calls when tool_choice is auto."""
+    srv = RunningServer(
+        "--dtype", "float32", "--log-level", "info", "--tool-call-parser", "hermes"
+    ).wait_ready()
     yield srv
     srv.stop()
 

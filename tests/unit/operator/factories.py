@@ -76,6 +76,8 @@ FULL_SPEC: dict[str, Any] = {
             "schedulePolicy": "lpm",
             "disableRadixCache": True,
             "logLevel": "debug",
+            "grammarBackend": "xgrammar",
+            "toolCallParser": "hermes",
         },
         "gracefulShutdownSeconds": 120,
         "preStopSleepSeconds": 15,

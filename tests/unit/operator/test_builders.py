@@ -204,6 +204,8 @@ def test_full_spec_args_reach_the_runtime_unchanged() -> None:
     assert server.schedule_policy == "lpm"
     assert server.disable_radix_cache is True
     assert server.log_level == "debug"
+    assert server.grammar_backend == "xgrammar"
+    assert server.tool_call_parser == "hermes"
     assert server.graceful_shutdown_timeout == 120
     assert server.random_seed == 7  # from extraArgs
     assert server.tp_size == 1

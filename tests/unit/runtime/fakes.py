@@ -19,11 +19,14 @@ from fastapi.responses import Response
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from berth_common.errors import RequestError
+from berth_runtime.constrained.spec import GrammarSpec
 from berth_runtime.entrypoints.http_server import add_api_error_handlers
 from berth_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from berth_runtime.entrypoints.serving_chat import OpenAIServingChat
 from berth_runtime.entrypoints.serving_completions import OpenAIServingCompletion
 from berth_runtime.io_struct import FinishReason, GenerateReqInput, RequestOutput, TokenLogprob
+from berth_runtime.managers.tokenizer_manager import TokenizerManager
+from berth_runtime.server_args import ServerArgs
 
 MODEL = "smollm2"
 REPLY = "The capital of France is Paris."
@@ -107,6 +110,7 @@ class FakeTokenizerManager:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
+        self.args = ServerArgs(tool_call_parser="hermes")
         self.model_name = MODEL
         self.context_len = 2048
         self.max_sequences_per_request = 128
@@ -122,6 +126,9 @@ class FakeTokenizerManager:
 
     async def run_tokenizer(self, fn: Callable[..., T], *args: object) -> T:
         return fn(*args)
+
+    def check_grammar(self, spec: GrammarSpec, param: str) -> None:
+        TokenizerManager.check_grammar(self, spec, param)  # type: ignore[arg-type]
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
         if chars > self.context_len * 64:

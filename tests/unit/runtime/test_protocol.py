@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -9,7 +10,10 @@ from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import ValidationError
 
+from berth_common.errors import RequestError
+from berth_runtime.constrained.spec import GrammarSpec
 from berth_runtime.entrypoints.protocol import (
+    JSON_OBJECT_SCHEMA,
     ChatCompletionChoice,
     ChatCompletionMessage,
     ChatCompletionRequest,
@@ -148,9 +152,17 @@ def test_image_parts_are_rejected_with_a_clear_message() -> None:
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools.0.function.name"),
+        ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.0.type"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {}}},
+            "response_format.json_schema.schema",
+        ),
         ({"audio": {"voice": "alloy"}}, "audio"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"rid": ""}, "rid"),
@@ -163,6 +175,33 @@ def test_image_parts_are_rejected_with_a_clear_message() -> None:
 )
 def test_chat_field_errors_name_the_field(fields: dict, param: str) -> None:
     assert rejected_param(ChatCompletionRequest, {"messages": USER, **fields}) == param
+
+
+def test_one_constraint_at_most_and_what_each_asks_for() -> None:
+    both = ChatCompletionRequest(messages=USER, response_format={"type": "json_object"}, regex="a+")
+    with pytest.raises(RequestError) as caught:
+        both.grammar()
+    assert caught.value.param == "regex"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    asked = {
+        "text": ChatCompletionRequest(messages=USER, response_format={"type": "text"}),
+        "object": ChatCompletionRequest(messages=USER, response_format={"type": "json_object"}),
+        "schema": ChatCompletionRequest(
+            messages=USER,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        ),
+        "ebnf": CompletionRequest(prompt="x", ebnf='root ::= "a"'),
+    }
+    assert asked["text"].grammar() is None
+    assert asked["object"].grammar() == (
+        "response_format",
+        GrammarSpec("json_schema", JSON_OBJECT_SCHEMA),
+    )
+    assert asked["schema"].grammar() == (
+        "response_format",
+        GrammarSpec("json_schema", json.dumps(schema)),
+    )
+    assert asked["ebnf"].grammar() == ("ebnf", GrammarSpec("ebnf", 'root ::= "a"'))
 
 
 @pytest.mark.parametrize(

@@ -171,7 +171,17 @@ def test_retraction_when_kv_runs_out_keeps_every_token():
     s = make_scheduler(CountingRunner(kv_tokens=40))
     for rid, start in (("a", 1), ("b", 3), ("c", 5)):
         s.handle_generate(req(rid, [start] * 8, max_new_tokens=20))
-    retracted = []
+    retracted = record_retractions(s)
+    out = run_to_idle(s)
+    assert retracted, "the pool was too small: something must have been retracted"
+    assert {rid: v[0] for rid, v in out.items()} == alone
+    assert all(v[1].type == "length" for v in out.values())
+    assert_all_memory_free(s)
+
+
+def record_retractions(s: Scheduler) -> list[str]:
+    """The rids whose KV the scheduler gives back before they finish (retracted), in order."""
+    retracted: list[str] = []
     original = s.kv.release
 
     def spy(r):
@@ -180,11 +190,7 @@ def test_retraction_when_kv_runs_out_keeps_every_token():
         original(r)
 
     s.kv.release = spy
-    out = run_to_idle(s)
-    assert retracted, "the pool was too small: something must have been retracted"
-    assert {rid: v[0] for rid, v in out.items()} == alone
-    assert all(v[1].type == "length" for v in out.values())
-    assert_all_memory_free(s)
+    return retracted
 
 
 def test_abort_waiting_and_running_frees_memory():

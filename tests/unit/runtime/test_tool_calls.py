@@ -1,0 +1,236 @@
+"""Tool calling: plans, grammars and parsers on their own, then the chat endpoint over a scripted
+TokenizerManager with the openai SDK, whole and streamed (the SDK accumulates the deltas)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from openai import AsyncOpenAI
+
+from berth_common.errors import RequestError
+from berth_runtime.constrained.grammar import check_grammar
+from berth_runtime.entrypoints.protocol import ChatCompletionRequest
+from berth_runtime.entrypoints.tool_calls import ParsedCall, ToolStream, plan_tools, read_calls
+from tests.unit.runtime.fakes import MODEL, FakeTokenizerManager
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def plan_of(tools: list[dict], tool_choice: Any = None, parser: str | None = "hermes", **more):
+    request = ChatCompletionRequest(messages=USER, tools=tools, tool_choice=tool_choice, **more)
+    return request.tool_plan(parser)
+
+
+# --- plans and grammars --------------------------------------------------------------------------
+
+
+def test_the_default_choice_is_auto_with_tools_and_none_without():
+    assert plan_of([WEATHER]).mode == "auto"
+    assert ChatCompletionRequest(messages=USER).tool_plan().mode == "none"
+    assert plan_of([WEATHER], parser=None).parses is False  # auto without a parser: text
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice", "message"),
+    [
+        ([], "required", "needs tools"),
+        ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "not in tools"),
+    ],
+)
+def test_a_choice_that_cannot_be_met_is_a_400_naming_tool_choice(tools, choice, message):
+    with pytest.raises(RequestError) as caught:
+        plan_of(tools, choice)
+    assert caught.value.param == "tool_choice" and message in str(caught.value)
+    with pytest.raises(RequestError) as caught:
+        plan_tools(
+            ChatCompletionRequest(messages=USER, tools=[WEATHER, WEATHER]).tools, None, True, None
+        )
+    assert caught.value.param == "tools"
+
+
+def test_required_and_named_choices_are_grammars_the_engine_accepts():
+    required = plan_of([WEATHER, TIME], "required").grammar()
+    assert required is not None and required.kind == "json_schema"
+    schema = json.loads(required.source)
+    assert schema["minItems"] == 1 and "maxItems" not in schema
+    names = [c["properties"]["name"]["const"] for c in schema["items"]["anyOf"]]
+    assert names == ["get_weather", "get_time"]
+    single = json.loads(plan_of([WEATHER], "required", parallel_tool_calls=False).grammar().source)
+    assert single["maxItems"] == 1
+    named = plan_of([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}})
+    assert json.loads(named.grammar().source)["properties"] == {}  # no parameters: `{}`
+    for plan in (plan_of([WEATHER], "required"), named):
+        check_grammar(plan.grammar())  # parses in xgrammar
+
+
+# --- reading calls back --------------------------------------------------------------------------
+
+
+def test_hermes_calls_and_the_text_before_them():
+    plan = plan_of([WEATHER, TIME])
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    )
+    content, calls = read_calls(plan, text)
+    assert content == "Let me check."
+    assert calls == [
+        ParsedCall("get_weather", '{"city": "Paris"}'),
+        ParsedCall("get_time", "{}"),
+    ]
+    assert read_calls(plan, "No tools needed.") == ("No tools needed.", [])
+    broken = '<tool_call>{"name": "get_weather", "arguments": </tool_call>'
+    assert read_calls(plan, broken) == (broken, [])
+
+
+def test_llama3_calls_with_or_without_the_python_tag():
+    plan = plan_of([WEATHER, TIME], parser="llama3")
+    text = (
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+        '{"name": "get_time", "parameters": {}}'
+    )
+    assert read_calls(plan, text) == (
+        None,
+        [ParsedCall("get_weather", '{"city": "Oslo"}'), ParsedCall("get_time", "{}")],
+    )
+    assert read_calls(plan, "It is sunny.") == ("It is sunny.", [])
+
+
+def test_a_hermes_stream_sends_text_and_holds_back_what_may_start_a_call():
+    stream = ToolStream(plan_of([WEATHER]))
+    assert stream.feed("Sure, ") == "Sure, "
+    assert stream.feed("one moment <to") == "one moment "  # "<to" may begin "<tool_call>"
+    assert stream.feed("ol_call>") == ""
+    assert stream.feed('{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>') == ""
+    rest, calls = stream.finish()
+    assert rest == "" and calls == [ParsedCall("get_weather", '{"city": "Rome"}')]
+    plain = ToolStream(plan_of([WEATHER]))
+    assert plain.feed("I think <b>") == "I think <b>"  # not a call's start: sent at once
+    assert plain.finish() == ("", [])
+
+
+# --- the endpoint, with the openai SDK -----------------------------------------------------------
+
+
+async def test_auto_with_a_hermes_reply_is_a_tool_call_whole_and_streamed(
+    sdk: AsyncOpenAI, tm: FakeTokenizerManager
+) -> None:
+    tm.reply = lambda obj: (
+        'I will look.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    )
+    whole = await sdk.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER])
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "I will look."
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather",
+        {"city": "Paris"},
+    )
+    async with sdk.chat.completions.stream(model=MODEL, messages=USER, tools=[WEATHER]) as s:
+        final = await s.get_final_completion()
+    streamed = final.choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    assert streamed.message.content == "I will look."
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == [
+        (call.function.name, call.function.arguments)
+    ]
+
+
+async def test_a_named_choice_streams_its_arguments_as_they_come(
+    sdk: AsyncOpenAI, tm: FakeTokenizerManager
+) -> None:
+    tm.reply = lambda obj: '{"city": "Lyon", "unit": "C"}'
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    whole = await sdk.chat.completions.create(
+        model=MODEL, messages=USER, tools=[WEATHER], tool_choice=choice
+    )
+    assert whole.choices[0].finish_reason == "stop"  # as OpenAI: a forced call ends with stop
+    assert whole.choices[0].message.content is None
+    (call,) = whole.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Lyon", "unit": "C"}
+    # The grammar reached the engine: the function's parameters schema.
+    sent = json.loads(tm.received[-1].sampling_params.json_schema)
+    assert sent == WEATHER["function"]["parameters"]
+
+    chunks = [
+        c
+        async for c in await sdk.chat.completions.create(
+            model=MODEL, messages=USER, tools=[WEATHER], tool_choice=choice, stream=True
+        )
+    ]
+    deltas = [
+        c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls
+    ]
+    assert len(deltas) > 2  # the arguments came in pieces
+    assert deltas[0][0].id and deltas[0][0].function.name == "get_weather"
+    assert "".join(d[0].function.arguments or "" for d in deltas) == '{"city": "Lyon", "unit": "C"}'
+
+
+async def test_required_sends_the_array_grammar_and_reads_every_call(
+    sdk: AsyncOpenAI, tm: FakeTokenizerManager
+) -> None:
+    tm.reply = lambda obj: (
+        '[{"name": "get_weather", "parameters": {"city": "Nice"}}, '
+        '{"name": "get_time", "parameters": {}}]'
+    )
+    whole = await sdk.chat.completions.create(
+        model=MODEL, messages=USER, tools=[WEATHER, TIME], tool_choice="required"
+    )
+    calls = whole.choices[0].message.tool_calls
+    assert whole.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Nice"}),
+        ("get_time", {}),
+    ]
+    assert len({c.id for c in calls}) == 2
+    async with sdk.chat.completions.stream(
+        model=MODEL, messages=USER, tools=[WEATHER, TIME], tool_choice="required"
+    ) as s:
+        final = await s.get_final_completion()
+    assert [
+        (c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls
+    ] == [(c.function.name, c.function.arguments) for c in calls]
+
+
+async def test_history_with_tool_calls_and_tool_answers_renders_through_the_template(
+    sdk: AsyncOpenAI, tm: FakeTokenizerManager
+) -> None:
+    messages = [
+        *USER,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"},
+    ]
+    tm.reply = lambda obj: "It is 18 C and sunny in Paris."
+    answer = await sdk.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
+    assert answer.choices[0].message.content == "It is 18 C and sunny in Paris."
+    assert answer.choices[0].finish_reason == "stop"
+    prompt = tm.tokenizer.decode(tm.received[-1].input_ids)
+    assert "18 C and sunny" in prompt
