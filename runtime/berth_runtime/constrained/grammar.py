@@ -39,7 +39,9 @@ class GrammarError(ValueError):
 
 
 def clean_message(error: BaseException) -> str:
-    return _LOG_PREFIX.sub("", str(error).strip().splitlines()[0] if str(error).strip() else "")
+    """The first line of xgrammar's message, without its log prefix."""
+    lines = str(error).strip().splitlines()
+    return _LOG_PREFIX.sub("", lines[0]) if lines else ""
 
 
 def check_grammar(spec: GrammarSpec) -> None:
@@ -94,9 +96,6 @@ class GrammarCompiler:
         except Exception as e:
             raise GrammarError(clean_message(e)) from None
         raise GrammarError(f"unknown grammar kind {spec.kind!r}")
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Matcher:

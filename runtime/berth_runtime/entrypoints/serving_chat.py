@@ -199,18 +199,11 @@ class ChatChunker:
         deltas: list[DeltaMessage] = []
         ready = stream.feed(out.text)
         if stream.call_id is not None:  # a named function: its arguments stream
-            if ready or not stream.started:
-                function = FunctionCallDelta(arguments=ready)
-                call = ToolCallDelta(index=0, function=function)
-                if not stream.started:
-                    stream.started = True
-                    call = ToolCallDelta(
-                        index=0,
-                        id=stream.call_id,
-                        type="function",
-                        function=FunctionCallDelta(name=stream.plan.function, arguments=ready),
-                    )
-                deltas.append(DeltaMessage(tool_calls=[call]))
+            if not stream.started:  # the first part names the call
+                stream.started = True
+                deltas.append(call_delta(0, ready, stream.call_id, stream.plan.function))
+            elif ready:
+                deltas.append(call_delta(0, ready))
         elif ready:
             deltas.append(DeltaMessage(content=ready))
         reason = finish_reason(out)
@@ -220,17 +213,7 @@ class ChatChunker:
             if rest:
                 deltas.append(DeltaMessage(content=rest))
             deltas += [
-                DeltaMessage(
-                    tool_calls=[
-                        ToolCallDelta(
-                            index=i,
-                            id=new_call_id(),
-                            type="function",
-                            function=FunctionCallDelta(name=c.name, arguments=c.arguments),
-                        )
-                    ]
-                )
-                for i, c in enumerate(calls)
+                call_delta(i, c.arguments, new_call_id(), c.name) for i, c in enumerate(calls)
             ]
             if stream.call_id is not None and reason == "stop" or calls:
                 reason = calls_finish(stream.plan)
@@ -249,6 +232,19 @@ class ChatChunker:
             )
             chunks.append(self._chunk(choices=[finish]))
         return chunks
+
+
+def call_delta(
+    index: int, arguments: str, call_id: str | None = None, name: str | None = None
+) -> DeltaMessage:
+    """A delta of tool call `index`: its first part carries the id, type and name."""
+    call = ToolCallDelta(
+        index=index,
+        id=call_id,
+        type="function" if call_id is not None else None,
+        function=FunctionCallDelta(name=name, arguments=arguments),
+    )
+    return DeltaMessage(tool_calls=[call])
 
 
 def chat_logprobs(out: Output) -> ChoiceLogprobs:

@@ -12,6 +12,7 @@ import zmq
 
 from berth_common.logging import configure_logging
 from berth_common.process import init_child_process
+from berth_runtime.constrained.grammar import GrammarCompiler
 from berth_runtime.io_struct import (
     AbortReq,
     FlushCacheReq,
@@ -75,8 +76,6 @@ def run_scheduler_process(
         eos_ids = eos_token_ids(model_path, tokenizer)
         grammar = None
         if args.grammar_backend == "xgrammar":
-            from berth_runtime.constrained.grammar import GrammarCompiler
-
             grammar = GrammarCompiler.for_tokenizer(tokenizer, runner.vocab_size, eos_ids)
         scheduler = Scheduler(
             args,
