@@ -258,12 +258,13 @@ def test_every_response_carries_a_request_id_and_echoes_the_clients(
 
 
 def test_parameters_it_cannot_honour_are_refused_naming_them(client: openai.OpenAI):
-    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+    # OpenAI's deprecated functions: refused, naming them (tools are served instead).
+    function = {"name": "now", "parameters": {"type": "object"}}
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=[tool]
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], functions=[function]
         )
-    assert info.value.param == "tools" and "not supported" in info.value.message
+    assert info.value.param == "functions" and "not supported" in info.value.message
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="Once", suffix=" the end.", max_tokens=4)
     assert info.value.param == "suffix"
