@@ -32,7 +32,7 @@ ENV UV_PYTHON_INSTALL_DIR=/opt/python \
 RUN uv python install "${PYTHON_VERSION}" \
     && uv venv --python "${PYTHON_VERSION}" /opt/venv
 
-# ---- runtime: berth serve (and berth router, see below) ---------------------------------------
+# ---- runtime: berth serve (no router: it has its own image, below) ----------------------------
 FROM python-base AS runtime-build
 ARG VARIANT
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]

@@ -40,16 +40,28 @@ def embedded_tokenizer():
 
 
 def wait_for(
-    predicate: Callable[[], T], timeout: float, interval: float = 0.1, what: str = ""
+    predicate: Callable[[], T],
+    timeout: float,
+    interval: float = 0.1,
+    what: str = "",
+    *,
+    retry_on: tuple[type[Exception], ...] = (),
+    error: Callable[[str], BaseException] = AssertionError,
 ) -> T:
-    """Poll until `predicate()` is truthy; fail with `what` after `timeout` seconds."""
+    """Poll until `predicate()` is truthy and return its value; after `timeout` seconds raise
+    `error(message)`, the message naming `what`. An exception of `retry_on` from `predicate`
+    counts as a falsy answer (what a cluster test reads may not exist yet)."""
     deadline = time.monotonic() + timeout
+    value: T | None
     while True:
-        value = predicate()
+        try:
+            value = predicate()
+        except retry_on:
+            value = None
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+            raise error(f"timed out after {timeout}s waiting for {what or predicate}")
         time.sleep(interval)
 
 

@@ -5,6 +5,10 @@ refused connection, a connection the rank dropped (it crashed) or a 503 (drainin
 retried on another rank, and the client never sees the failed attempt. From the first byte on,
 chunks pass through as they arrive, never buffered. If the client goes away, the upstream
 connection is closed at once, which the rank takes as an abort.
+
+Why one module of ~400 lines: picking a rank, retrying before the first byte and streaming after
+it are one exchange whose state (the attempt, its upstream response, the watch on the client)
+passes from each step to the next; split up, that state would cross module boundaries.
 """
 
 from __future__ import annotations

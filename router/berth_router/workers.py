@@ -4,6 +4,10 @@ Ranks come from a static URL list or from discovery (`discovery.py`); either way
 keyed by its DP rank. Active checks poll every rank's `/health` (and `/get_load` for load-aware
 policies); the proxy reports what it sees on real requests, so a refused connection takes a rank
 out of rotation at once, without waiting for the next check.
+
+Why one module of ~400 lines: membership changes, active checks and what requests report all
+write the same per-rank health and load, which stays consistent because one class makes every
+change to it.
 """
 
 from __future__ import annotations

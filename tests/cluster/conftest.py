@@ -22,12 +22,13 @@ from tests.cluster import running_operator
 from tests.cluster.controlplane import (
     REPO_ROOT,
     ControlPlane,
+    ControlPlaneError,
     ControlPlaneNotBuilt,
     binaries_dir,
     tail,
-    wait_until,
 )
 from tests.cluster.running_operator import RunningOperator
+from tests.helpers import wait_for
 
 _running: ControlPlane | None = None
 _operator: RunningOperator | None = None
@@ -93,13 +94,14 @@ def installed(control_plane: ControlPlane) -> ControlPlane:
     control_plane.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=30s")
     # `kubectl api-resources` reads discovery afresh (and refreshes kubectl's cache, which the
     # kubectl calls before the install filled): wait until it serves the new kind.
-    wait_until(
+    wait_for(
         lambda: (
             c.PLURAL
             in control_plane.kubectl("api-resources", f"--api-group={c.GROUP}", "-o", "name").stdout
         ),
         30,
-        "discovery to serve InferenceServices",
+        what="discovery to serve InferenceServices",
+        error=ControlPlaneError,
     )
     return control_plane
 

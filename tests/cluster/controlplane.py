@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 
 from tests.cluster import pki
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO_ROOT / "hack" / "control-plane" / "build.sh"
@@ -156,18 +156,6 @@ def tail(path: Path, lines: int = 40) -> str:
     except FileNotFoundError:
         return "(no log)"
     return "\n".join(text.splitlines()[-lines:])
-
-
-def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
-    """Poll `check` until it returns a truthy value; ControlPlaneError after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise ControlPlaneError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
 
 
 def http_ok(url: str, context: ssl.SSLContext | None = None) -> bool:
@@ -466,7 +454,7 @@ class ControlPlane:
             return ready()
 
         try:
-            wait_until(check, timeout, what or f"{name} to be ready")
+            wait_for(check, timeout, what=what or f"{name} to be ready", error=ControlPlaneError)
         except ControlPlaneError as error:
             every_log = f"(every component's log is in {self.logs})"
             if component.process.poll() is not None:

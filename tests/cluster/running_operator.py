@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from tests.cluster.controlplane import REPO_ROOT, ControlPlane, http_ok, tail
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_for
 
 DEPLOYMENT = REPO_ROOT / "manifests" / "operator" / "deployment.yaml"
 NAMESPACE = "berth-system"
@@ -142,16 +142,20 @@ def start(
         metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
         args=args,
     )
-    deadline = time.monotonic() + timeout
+
+    def up() -> bool:
+        if http_ok(running.liveness_url) and watched(plane, started) >= WATCHED:
+            return True
+        running.check_running()
+        return False
+
+    def not_up(message: str) -> AssertionError:
+        return AssertionError(
+            f"{message} (watching {sorted(watched(plane, started))}):\n{tail(log, 60)}"
+        )
+
     try:
-        while not (http_ok(running.liveness_url) and watched(plane, started) >= WATCHED):
-            running.check_running()
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"the operator did not start in {timeout:.0f}s (watching "
-                    f"{sorted(watched(plane, started))}):\n{tail(log, 60)}"
-                )
-            time.sleep(0.2)
+        wait_for(up, timeout, interval=0.2, what="the operator to start", error=not_up)
     except BaseException:
         with contextlib.suppress(Exception):
             running.stop(5)

@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tests.cluster.controlplane import DEFAULT_NODES, REPO_ROOT, ControlPlane, wait_until
+from tests.cluster.controlplane import DEFAULT_NODES, REPO_ROOT, ControlPlane
+from tests.helpers import wait_for
 
 VERSIONS = dict(
     line.split("=", 1)
@@ -59,7 +60,7 @@ def ready_pod(plane: ControlPlane, namespace: str, app: str) -> dict[str, Any]:
         pods = [p for p in items(plane, "pods", namespace, f"app={app}") if is_ready(p)]
         return pods[0] if pods else None
 
-    return wait_until(one_ready, TIMEOUT, f"a Ready pod of {app}", interval=0.5)
+    return wait_for(one_ready, TIMEOUT, interval=0.5, what=f"a Ready pod of {app}")
 
 
 def test_api_server_is_ready_and_is_the_pinned_release(control_plane: ControlPlane) -> None:
@@ -112,11 +113,11 @@ def test_deployment_pod_runs_on_a_kwok_node_behind_an_endpointslice(
     }
     apply(control_plane, namespace, deployment("web"), service)
 
-    replica_sets = wait_until(
+    replica_sets = wait_for(
         lambda: items(control_plane, "replicasets", namespace, "app=web"),
         TIMEOUT,
-        "the Deployment's ReplicaSet",
         interval=0.5,
+        what="the Deployment's ReplicaSet",
     )
     assert replica_sets[0]["metadata"]["ownerReferences"][0]["kind"] == "Deployment"
     pod = ready_pod(control_plane, namespace, "web")
@@ -129,7 +130,7 @@ def test_deployment_pod_runs_on_a_kwok_node_behind_an_endpointslice(
         slices = items(control_plane, "endpointslices", namespace, "kubernetes.io/service-name=web")
         return [e for s in slices for e in s.get("endpoints") or []]
 
-    endpoint = wait_until(endpoints, TIMEOUT, "the Service's EndpointSlice", interval=0.5)[0]
+    endpoint = wait_for(endpoints, TIMEOUT, interval=0.5, what="the Service's EndpointSlice")[0]
     assert endpoint["addresses"] == [pod_ip]
     assert endpoint["conditions"]["ready"] is True
     assert endpoint["targetRef"]["name"] == pod["metadata"]["name"]
@@ -160,25 +161,25 @@ def test_deleting_the_owner_garbage_collects_its_children(
     control_plane: ControlPlane, namespace: str
 ) -> None:
     apply(control_plane, namespace, deployment("gc", replicas=2))
-    wait_until(
+    wait_for(
         lambda: (
             len([p for p in items(control_plane, "pods", namespace, "app=gc") if is_ready(p)]) == 2
         ),
         TIMEOUT,
-        "two Ready pods",
         interval=0.5,
+        what="two Ready pods",
     )
     assert items(control_plane, "replicasets", namespace, "app=gc")
 
     control_plane.kubectl("delete", "deployment", "gc", "-n", namespace, "--wait=false")
-    wait_until(
+    wait_for(
         lambda: (
             not items(control_plane, "replicasets", namespace, "app=gc")
             and not items(control_plane, "pods", namespace, "app=gc")
         ),
         TIMEOUT,
-        "the ReplicaSet and its pods to be garbage-collected",
         interval=0.5,
+        what="the ReplicaSet and its pods to be garbage-collected",
     )
 
 

@@ -15,9 +15,8 @@ import json
 import os
 import shutil
 import subprocess
-import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import yaml
 
 from berth_common.server_process import free_port
 from berth_operator import __version__
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -55,14 +55,16 @@ def get(kind: str, name: str, namespace: str) -> dict[str, Any]:
     return json.loads(kubectl("get", kind, name, "-n", namespace, "-o", "json"))
 
 
-def wait_until(check: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(AssertionError, KeyError, subprocess.SubprocessError):
-            if check():
-                return
-        time.sleep(2)
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+def wait_until(check: Callable[[], Any], timeout: float, what: str) -> None:
+    """Poll `check` every 2 s (a real cluster is slow); what it reads may not exist yet."""
+    wait_for(
+        check,
+        timeout,
+        interval=2,
+        what=what,
+        retry_on=(AssertionError, KeyError, subprocess.SubprocessError),
+        error=pytest.fail.Exception,
+    )
 
 
 @pytest.fixture(scope="module")

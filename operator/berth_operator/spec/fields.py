@@ -11,6 +11,13 @@ supports).
 Reading reports every problem as `<path>: <what to fix>` and carries on with the field's default,
 so that one pass finds them all. An object that lacks a required field reads as None.
 
+Each rule across fields is written twice, on purpose: as a CEL `Rule`, so that the API server
+refuses a bad object at admission with the rule's message, and in the class's `check`, so that
+the operator still reports InvalidSpec for an object that never met the rule (stored before the
+rule existed, or admitted by an API server that does not run CEL).
+`test_cel_rules_reject_what_the_parser_rejects` in tests/unit/operator/test_crd.py runs both on
+the same bodies, which keeps them in step.
+
 Why one module of ~600 lines: for each kind of field, the half that writes its schema and the half
 that reads a resource must enforce the same constraints; kept side by side they stay in step.
 """

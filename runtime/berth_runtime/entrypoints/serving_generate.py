@@ -19,6 +19,7 @@ from berth_runtime.entrypoints.serving_base import (
     ChoiceStreams,
     EngineClient,
     check_sequences,
+    raise_if_aborted,
 )
 from berth_runtime.io_struct import GenerateReqInput, RequestOutput, TokenLogprob
 from berth_runtime.sampling_params import SamplingParams
@@ -103,9 +104,7 @@ async def _events(streams: ChoiceStreams, obj: GenerateReqInput) -> AsyncIterato
     try:
         async for _, out in streams.outputs():
             so_far = out if so_far is None else so_far.followed_by(out)
-            reason = out.finish_reason
-            if reason is not None and reason.type == "abort":
-                raise RequestError(reason.message or "request aborted", reason.status_code or 500)
+            raise_if_aborted(out)
             yield sse_event(generate_result(obj, so_far))
     except RequestError as e:
         yield sse_event(e.body())

@@ -72,6 +72,9 @@ program per KV head walking every tile (no split-KV, whose split points would ha
 absolute positions shared by decode and extend to keep the property); an extend launches T
 programs per KV head of which about one in BLOCK_M works. Nothing here is timed yet: tile sizes
 and warps come from the register and shared-memory use of sm_80/sm_90 builds.
+
+Why one module of ~400 lines, most of it this note: the kernel, its launch configuration and the
+two ops must agree on block shapes and compile-time constants, on which the property above rests.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from berth_runtime.managers.schedule_batch import Req
 from berth_runtime.managers.schedule_policy import BatchPlan, DecodeBatch, SchedulePolicy
 from berth_runtime.mem_cache.kv_manager import KVManager
 from berth_runtime.model_executor.forward_batch import ForwardBatch
-from berth_runtime.model_executor.sampler import SampleOutput, sample_rows, top_logprobs
+from berth_runtime.model_executor.sampler import SampleOutput, prompt_logprobs, sample_rows
 from berth_runtime.server_args import ServerArgs
 
 
@@ -251,14 +251,13 @@ class Scheduler:
         if start == 0:
             req.input_token_logprobs.append(None)
             req.input_top_logprobs.append(None)
-        logprobs = torch.log_softmax(self.runner.compute_logits(hidden), dim=-1)
-        for offset in range(end - start):
-            pos = start + offset + 1  # the token this position predicts
-            if pos >= len(prompt):
-                break
-            req.input_token_logprobs.append(float(logprobs[offset, prompt[pos]]))
-            if req.top_logprobs_num:
-                req.input_top_logprobs.append(top_logprobs(logprobs[offset], req.top_logprobs_num))
+        # Position i predicts token i + 1; the prompt's last position predicts no prompt token.
+        next_token_ids = prompt[start + 1 : end + 1]
+        token_logprobs, tops = prompt_logprobs(
+            self.runner.compute_logits(hidden), next_token_ids, req.top_logprobs_num
+        )
+        req.input_token_logprobs.extend(token_logprobs)
+        req.input_top_logprobs.extend(tops)
 
     # --- statistics --------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
-"""Sampler: turn a batch of logits into next tokens (and their logprobs), vectorized over the
-batch: grammar masks, logit bias, penalties and min_tokens first, then greedy or seeded sampling."""
+"""Sampler: turn a batch of logits into next tokens (and their logprobs, or a prompt's), vectorized
+over the batch: grammar masks, logit bias, penalties and min_tokens first, then greedy or seeded
+sampling."""
 
 from __future__ import annotations
 
@@ -106,6 +107,19 @@ def process_logits(
                 banned |= eos_token_ids
             if banned:
                 logits[i, list(banned)] = float("-inf")
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: Sequence[int], top_k: int
+) -> tuple[list[float], list[TopLogprobs]]:
+    """Logprob of each of `next_token_ids` under the row of `logits` [N, V] that predicts it
+    (row i predicts token i), and each such row's `top_k` most likely tokens (none if 0)."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    token_logprobs = [float(logprobs[row, token]) for row, token in enumerate(next_token_ids)]
+    tops = (
+        [top_logprobs(logprobs[row], top_k) for row in range(len(next_token_ids))] if top_k else []
+    )
+    return token_logprobs, tops
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> TopLogprobs:

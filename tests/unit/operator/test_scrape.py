@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from berth_common.server_process import free_port
 from berth_operator import constants as c
 from berth_operator import scrape
 from berth_operator.scrape import RankSample, RankTarget, parse_metrics, rank_targets
@@ -262,12 +263,6 @@ def target_of(server: _Rank | None, rank: int = 0, *, port: int | None = None) -
     return target
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def scrape_one(target: RankTarget, now: float = 1234.5) -> RankSample:
     async with httpx.AsyncClient(trust_env=False) as client:
         return await scrape.scrape(client, target, now)
@@ -322,7 +317,7 @@ async def test_a_runtime_without_the_berth_metrics_reads_as_zero(serve: Serve) -
 
 
 async def test_a_closed_port_is_a_failed_sample_not_an_error() -> None:
-    sample = await scrape_one(target_of(None, rank=1, port=closed_port()))
+    sample = await scrape_one(target_of(None, rank=1, port=free_port()))
     assert not sample.ok
     assert sample.error is not None and sample.error.startswith("ConnectError")
     assert (sample.rank, sample.pod, sample.time, sample.queued) == (1, "chat-1", 1234.5, 0)
@@ -364,7 +359,7 @@ async def test_scrape_over_ipv6(serve: Serve) -> None:
 async def test_scrape_all_asks_every_rank_at_once_and_keeps_their_order(serve: Serve) -> None:
     slow = [serve(runtime_metrics(num_waiting_reqs=rank), delay=0.6) for rank in range(3)]
     targets = [target_of(server, rank) for rank, server in enumerate(slow)]
-    targets.append(target_of(None, 3, port=closed_port()))
+    targets.append(target_of(None, 3, port=free_port()))
     started = time.monotonic()
     async with httpx.AsyncClient(trust_env=False) as client:
         samples = await scrape.scrape_all(client, targets, 99.0)
