@@ -82,6 +82,10 @@ bench-grammar: install ## Grammar engines: xgrammar vs llguidance, compile and p
 bench-tokenizer: install ## Templating + tokenizing: event loop vs worker threads vs worker processes
 	$(BIN)/python -m benchmarks.tokenizer_workers $(BENCH_ARGS)
 
+.PHONY: bench-same-answer
+bench-same-answer: install ## Same answer: per-token prefill attention, exact top logits, bf16 short extends vs the old paths
+	$(BIN)/python -m benchmarks.same_answer $(BENCH_ARGS)
+
 ##@ Router
 .PHONY: bench-router
 bench-router: install ## Router: added latency vs a direct rank; cache_aware vs round_robin prefix-cache hit rate

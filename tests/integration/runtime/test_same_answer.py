@@ -8,22 +8,50 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import pytest
+import torch
 
+from berth_runtime.model_executor.model_runner import cpu_has_native_bf16
+from berth_runtime.models.gguf_q4 import can_run_int4
 from tests.helpers import RunningServer
 from tests.integration.runtime.chat_prompts import QUESTIONS, messages
 
 MODEL = "smollm2-135m-instruct"
 MAX_TOKENS = 40
 README = Path(__file__).resolve().parents[3] / "README.md"
+CHUNK = 8  # --chunked-prefill-size of the chunking test's server
+
+
+def server_info(base_url: str) -> dict:
+    response = httpx.get(f"{base_url}/get_server_info", timeout=10)
+    assert response.status_code == 200, response.text
+    return response.json()
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
-    """`berth serve` with nothing but a port: the defaults a new user gets."""
+    """`berth serve` with nothing but a port: the defaults a new user gets. These tests are about
+    the defaults of a CPU with native bf16: bf16 with the 4-bit decode path live, where the
+    prompt's prefill and the short steps after it run on different weights."""
+    if not (cpu_has_native_bf16() and can_run_int4(torch.bfloat16, torch.device("cpu"))):
+        pytest.skip(
+            "this CPU has no native bf16 (or this PyTorch no CPU int4 kernel): `berth serve` "
+            "defaults to fp32 without the 4-bit decode path, not the case under test"
+        )
     srv = RunningServer().wait_ready()
+    try:
+        info = server_info(srv.base_url)
+        engine = info["engine"]
+        assert engine["dtype"] == "bfloat16", engine
+        assert engine["attention_backend"] == "berth_cpu", engine
+        assert info["server_args"]["gguf_q4_max_batch"] > 0, info["server_args"]
+        assert engine["q4_weight_bytes"] > 0, engine  # the 4-bit weights are really loaded
+    except BaseException:
+        srv.stop()
+        raise
     yield srv
     srv.stop()
 
@@ -34,16 +62,24 @@ def http(server: RunningServer) -> Iterator[httpx.Client]:
         yield client
 
 
-def ask(http: httpx.Client, chat: list[dict[str, str]]) -> tuple[str, int]:
-    """Greedy answer and the prompt tokens the server reports as cached."""
+class Answer(NamedTuple):
+    text: str
+    cached_tokens: int  # prompt tokens the server reports as cached
+    prompt_tokens: int
+
+
+def ask(http: httpx.Client, chat: list[dict[str, str]]) -> Answer:
+    """A greedy answer (never empty) and its prompt's token counts."""
     response = http.post(
         "/v1/chat/completions",
         json={"model": MODEL, "messages": chat, "temperature": 0, "max_tokens": MAX_TOKENS},
     )
     assert response.status_code == 200, response.text
     body = response.json()
+    text = body["choices"][0]["message"]["content"]
+    assert text and text.strip(), body
     details = body["usage"].get("prompt_tokens_details") or {}
-    return body["choices"][0]["message"]["content"], details.get("cached_tokens", 0)
+    return Answer(text, details.get("cached_tokens", 0), body["usage"]["prompt_tokens"])
 
 
 def flush(http: httpx.Client) -> None:
@@ -56,11 +92,11 @@ def test_answer_does_not_depend_on_the_prefix_cache(http):
     differing = []
     for i, question in enumerate(QUESTIONS):
         flush(http)
-        cold, cold_cached = ask(http, messages(question))
-        again, again_cached = ask(http, messages(question))
+        cold, cold_cached, _ = ask(http, messages(question))
+        again, again_cached, _ = ask(http, messages(question))
         flush(http)
         ask(http, messages(QUESTIONS[(i + 1) % len(QUESTIONS)]))
-        shared, shared_cached = ask(http, messages(question))
+        shared, shared_cached, _ = ask(http, messages(question))
         # The cache really served the second and third requests.
         assert cold_cached == 0 and again_cached > shared_cached > 0, (
             cold_cached,
@@ -78,15 +114,15 @@ def test_next_turn_does_not_depend_on_the_previous_turn_being_cached(http):
     differing = []
     for first, second in zip(QUESTIONS[:5], QUESTIONS[5:10]):
         flush(http)
-        answer, _ = ask(http, messages(first))
+        answer = ask(http, messages(first)).text
         turn = [
             *messages(first),
             {"role": "assistant", "content": answer},
             {"role": "user", "content": second},
         ]
-        warm, warm_cached = ask(http, turn)
+        warm, warm_cached, _ = ask(http, turn)
         flush(http)
-        cold, _ = ask(http, turn)
+        cold = ask(http, turn).text
         assert warm_cached > 0
         if warm != cold:
             differing.append((first, second, warm, cold))
@@ -99,14 +135,22 @@ def test_answer_does_not_depend_on_prefill_chunking(http):
     expected = {}
     for question in QUESTIONS:
         flush(http)
-        expected[question] = ask(http, messages(question))[0]
-    chunked = RunningServer("--chunked-prefill-size", "8").wait_ready()
+        expected[question] = ask(http, messages(question)).text
+    chunked = RunningServer("--chunked-prefill-size", str(CHUNK)).wait_ready()
     try:
+        assert server_info(chunked.base_url)["server_args"]["chunked_prefill_size"] == CHUNK
         with httpx.Client(base_url=chunked.base_url, timeout=120) as other:
-            got = {question: ask(other, messages(question))[0] for question in QUESTIONS}
+            answers = {}
+            for question in QUESTIONS:
+                flush(other)  # the whole prompt prefilled, not only what follows a cached part
+                answers[question] = ask(other, messages(question))
     finally:
         chunked.stop()
-    assert got == expected
+    # Every prompt really was prefilled in several chunks, none of it from the cache.
+    assert all(a.prompt_tokens > 2 * CHUNK and a.cached_tokens == 0 for a in answers.values()), {
+        q: a.prompt_tokens for q, a in answers.items()
+    }
+    assert {question: a.text for question, a in answers.items()} == expected
 
 
 def readme_quick_start() -> tuple[dict, str]:
@@ -127,4 +171,14 @@ def test_readme_quick_start_answers_what_the_readme_shows(http):
     for _ in range(3):  # cold, then cached
         response = http.post("/v1/chat/completions", json=body)
         assert response.status_code == 200, response.text
-        assert response.json()["choices"][0]["message"]["content"] == shown
+        choice = response.json()["choices"][0]
+        assert choice["message"]["content"] == shown
+        assert choice["finish_reason"] == "stop"  # the whole answer, as the README shows
+
+
+def test_readme_quick_start_python_example_caps_its_answer():
+    text = README.read_text()
+    section = text[text.index("## Quick start") : text.index("## `berth serve`")]
+    calls = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if ".create(" in b]
+    assert calls, "the README's quick start has a Python example"
+    assert all("max_tokens=" in call for call in calls), calls
