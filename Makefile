@@ -32,7 +32,7 @@ operator: install ## Run the operator against the current kubeconfig
 
 ##@ Development
 .PHONY: control-plane
-control-plane: ## Build (or reuse, cached by version) etcd, kube-apiserver & co for tests/cluster/
+control-plane: ## Build (or reuse, cached by version) etcd, kube-apiserver, kubectl & co for tests/cluster/
 	hack/control-plane/build.sh
 
 .PHONY: test

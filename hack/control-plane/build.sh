@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Build the control plane that tests/cluster/ runs, from source through the Go module proxy.
 #
-# kube-apiserver, kube-controller-manager and kube-scheduler come from k8s.io/kubernetes, etcd from
-# go.etcd.io/etcd/server/v3 and kwok (fake nodes) from sigs.k8s.io/kwok, at the versions pinned in
-# versions.env. Next to them, kwok-stages.yaml: the Stages that kwokctl runs by default ("fast":
-# nodes become Ready and keep a lease, pods become Running and Ready), taken from the same kwok
-# release; the kwok binary alone starts with no Stage. All of it is cached under the user cache
-# directory, keyed by those versions:
+# kube-apiserver, kube-controller-manager, kube-scheduler and kubectl come from k8s.io/kubernetes,
+# etcd from go.etcd.io/etcd/server/v3 and kwok (fake nodes) from sigs.k8s.io/kwok, at the versions
+# pinned in versions.env. kubectl is built at the API server's version so that the tests never use
+# whatever kubectl is on PATH (possibly outside the supported +-1 minor version skew). Next to them,
+# kwok-stages.yaml: the Stages that kwokctl runs by default ("fast": nodes become Ready and keep a
+# lease, pods become Running and Ready), taken from the same kwok release; the kwok binary alone
+# starts with no Stage. All of it is cached under the user cache directory, keyed by those versions:
 #
 #   ${XDG_CACHE_HOME:-$HOME/.cache}/berth/control-plane/k8s-<v>_etcd-<v>_kwok-<v>/
 #
 # The directory is built next to its final place and renamed into it once complete, so it either
-# holds every binary or does not exist. With it present this script does nothing.
+# holds every binary or does not exist. With every binary present this script does nothing; a
+# directory that lacks one (made by an older build.sh, before kubectl was built) is rebuilt.
 #
 # usage: hack/control-plane/build.sh              build, or reuse the cache
 #        hack/control-plane/build.sh --print-dir  print the cache directory (built or not)
@@ -23,7 +25,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=versions.env
 source "$here/versions.env"
 
-BINARIES=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
+BINARIES=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok)
 # kwok's default "fast" Stages (kustomize/stage/fast in its module), without kustomize.
 KWOK_STAGES=(
   node/fast/node-initialize.yaml
@@ -89,9 +91,10 @@ module() {
 
 step() { echo "==> $* ($((SECONDS - started)) s)"; }
 
-# kube-apiserver, kube-controller-manager, kube-scheduler. k8s.io/kubernetes's go.mod replaces every
-# k8s.io/* staging module with ./staging/src/k8s.io/<name>, which only works inside its own repository;
-# a consumer replaces each with its published release, v0.<minor>.<patch> for v1.<minor>.<patch>.
+# kube-apiserver, kube-controller-manager, kube-scheduler and kubectl. k8s.io/kubernetes's go.mod
+# replaces every k8s.io/* staging module with ./staging/src/k8s.io/<name>, which only works inside
+# its own repository; a consumer replaces each with its published release, v0.<minor>.<patch> for
+# v1.<minor>.<patch>.
 step "k8s.io/kubernetes $KUBERNETES_VERSION: resolving modules"
 src=$work/kubernetes
 module "$src"
@@ -119,7 +122,7 @@ for m in $staging; do
 done
 go mod edit "${edits[@]}"
 k8s_packages=()
-for b in kube-apiserver kube-controller-manager kube-scheduler; do
+for b in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
   k8s_packages+=("k8s.io/kubernetes/cmd/$b")
 done
 run "$work/get-kubernetes.log" go get "${k8s_packages[@]/%/@$KUBERNETES_VERSION}"
@@ -131,7 +134,7 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
   ldflags+=" -X $pkg.gitMinor=${minor%%.*} -X $pkg.gitTreeState=clean"
 done
 step "k8s.io/kubernetes $KUBERNETES_VERSION: building ${k8s_packages[*]##*/} (the long step)"
-# One go build for the three: they share most of their compiled packages.
+# One go build for the four: they share most of their compiled packages.
 go build -trimpath -ldflags="$ldflags" -o "$bin/" "${k8s_packages[@]}"
 
 step "go.etcd.io/etcd/server/v3 $ETCD_VERSION: building etcd"

@@ -39,7 +39,11 @@ class DiscoveryError(Exception):
 
 
 def parse_selector(selector: str) -> list[tuple[str, str, str | None]]:
-    """`a=b,c!=d,e,!f` -> [(key, op, value)] with op one of =, !=, exists, !exists."""
+    """`a=b,c!=d,e,!f` -> [(key, op, value)] with op one of =, !=, exists, !exists.
+
+    With `selector_matches`, what the API server does with a labelSelector; discovery itself
+    leaves the selection to the API server (it sends the selector with its list and watch). The
+    operator's tests use both to check that its --discover-selector picks its rank slices."""
     terms: list[tuple[str, str, str | None]] = []
     for raw in selector.split(","):
         term = raw.strip()
@@ -152,7 +156,6 @@ class EndpointSliceDiscovery:
     ) -> None:
         self.kube = kube
         self.selector = selector
-        self.terms = parse_selector(selector)
         self.rank_label = rank_label
         self.port_name = port_name
         self.on_change = on_change
@@ -230,11 +233,12 @@ class EndpointSliceDiscovery:
         return version
 
     def _store(self, kind: str | None, obj: dict[str, Any]) -> None:
-        meta = obj.get("metadata") or {}
-        name = meta.get("name")
+        """Keep the slice, or forget it. The API server sends only the slices that match the
+        selector; one whose labels stop matching comes as DELETED."""
+        name = (obj.get("metadata") or {}).get("name")
         if not name:
             return
-        if kind == "DELETED" or not selector_matches(self.terms, meta.get("labels") or {}):
+        if kind == "DELETED":
             self.slices.pop(name, None)
         else:
             self.slices[name] = obj

@@ -1,9 +1,11 @@
 """The cluster tests' control plane: etcd, kube-apiserver, kube-controller-manager, kube-scheduler
-and kwok, run as local processes from the binaries that `make control-plane` builds.
+and kwok, run as local processes from the binaries that `make control-plane` builds, and the
+kubectl built with them (the API server's own version, never the one on PATH).
 
 Everything listens on free loopback ports, with certificates made for the run (`pki.py`). The API
-server runs Node,RBAC authorization and its default admission plugins (PodSecurity included), and
-signs ServiceAccount tokens, so TokenRequest works. The controller-manager runs every controller
+server runs Node,RBAC authorization and its default admission plugins (PodSecurity included) plus
+OwnerReferencesPermissionEnforcement (as many managed clusters enable it), and signs
+ServiceAccount tokens, so TokenRequest works. The controller-manager runs every controller
 with per-controller ServiceAccount credentials. kwok keeps fake Nodes Ready and takes pods that the
 scheduler binds to them to Running and Ready; no container runs, no image is pulled.
 
@@ -39,7 +41,14 @@ from tests.helpers import free_port, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO_ROOT / "hack" / "control-plane" / "build.sh"
-BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+BINARIES = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kubectl",
+    "kwok",
+)
 KWOK_STAGES = "kwok-stages.yaml"
 
 SERVICE_CIDR = "10.96.0.0/24"
@@ -105,7 +114,8 @@ def binaries_dir() -> Path:
         raise ControlPlaneNotBuilt(
             f"the control plane for the cluster tests is not built: {', '.join(missing)} missing "
             f"in {directory}. Run `make control-plane` (builds etcd, kube-apiserver, "
-            "kube-controller-manager, kube-scheduler and kwok from source once, then reuses them)."
+            "kube-controller-manager, kube-scheduler, kubectl and kwok from source once, then "
+            "reuses them)."
         )
     return directory
 
@@ -214,16 +224,27 @@ class ControlPlane:
 
     # -- use --------------------------------------------------------------------------------
 
+    @property
+    def kubectl_binary(self) -> Path:
+        """The kubectl built with the control plane, at the API server's version."""
+        return self.binaries / "kubectl"
+
     def env(self) -> dict[str, str]:
-        """The environment for running `kubectl` (or the operator) as the admin user."""
-        return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        """The environment for running `kubectl` (or the operator) as the admin user. kubectl's
+        discovery and HTTP cache is kept in the workdir: a run neither reads a stale one nor
+        fills ~/.kube/cache."""
+        return {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "KUBECACHEDIR": str(self.workdir / "kube-cache"),
+        }
 
     def kubectl(
         self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 60
     ) -> subprocess.CompletedProcess[str]:
         """Run kubectl as the admin user; with `check`, a failure raises with kubectl's stderr."""
         result = subprocess.run(
-            ["kubectl", *args],
+            [str(self.kubectl_binary), *args],
             input=stdin,
             capture_output=True,
             text=True,
@@ -337,7 +358,10 @@ class ControlPlane:
             f"--service-account-signing-key-file={certs.sa_private_key}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--authorization-mode=Node,RBAC",
-            # Admission: the default plugins, PodSecurity among them (none is disabled here).
+            # Admission: the default plugins, PodSecurity among them (none is disabled here),
+            # and owner references checked as strictly as on clusters that enable it: setting
+            # blockOwnerDeletion needs `update` on the owner's finalizers.
+            "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
             "--allow-privileged=true",  # as on a kubelet cluster; PodSecurity decides per namespace
             # The kubernetes Service gets no endpoints: a loopback address is not a valid one.
             "--endpoint-reconciler-type=none",

@@ -98,9 +98,13 @@ def admission_namespace(installed: ControlPlane) -> Iterator[str]:
             {},
             ["metadata.name must be at most 45 characters"],
         ),
-        # Strict field validation against the CRD's published schema (kubectl's, or the API
-        # server's, depending on the kubectl version).
-        ("typo", {"replcas": 2}, ['unknown field "', "replcas"]),
+        # Strict field validation against the CRD's published OpenAPI schema, which the kubectl
+        # built with the control plane (the API server's version) checks before sending.
+        (
+            "typo",
+            {"replcas": 2},
+            ['unknown field "replcas" in dev.berth.serving.v1alpha1.InferenceService.spec'],
+        ),
     ],
     ids=lambda value: value if isinstance(value, str) and len(value) < 40 else None,
 )

@@ -1,6 +1,6 @@
 """Each kind of API error gets its own treatment, provoked on the real API server:
 
-- 403 (a ResourceQuota, an admission webhook's denial): a condition naming the verb and the
+- 403 (RBAC, a ResourceQuota, an admission webhook's denial): a condition naming the verb and the
   resource, retried now and then; the service comes up once the cause is gone;
 - 409 (a field another manager took over): applied again at once;
 - 422 for an immutable field (a child made by an earlier operator version): the child is
@@ -13,12 +13,15 @@ from __future__ import annotations
 import copy
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
+
+import pytest
 
 from berth_operator import builders
 from berth_operator import constants as c
 from berth_operator.spec import InferenceService
-from tests.cluster import running_operator
+from tests.cluster import conftest, running_operator
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.helpers import (
     apply,
@@ -34,6 +37,8 @@ from tests.cluster.helpers import (
 )
 from tests.cluster.running_operator import USERNAME
 from tests.cluster.webhook import ALLOW, FAIL, Call, Webhook, serving
+
+OPERATOR_ROLE = "berth-operator"  # manifests/rbac/role.yaml
 
 
 def test_a_quota_refusal_is_a_condition_naming_verb_and_resource(
@@ -56,6 +61,104 @@ def test_a_quota_refusal_is_a_condition_naming_verb_and_resource(
     assert get(plane, "statefulset", ns, name) is None  # refused in the dry run: nothing applied
     assert [e["reason"] for e in events(plane, ns, name) if e["type"] == "Warning"] == ["Forbidden"]
     plane.kubectl("delete", "resourcequota", "no-deployments", "-n", ns)
+    wait_ready(plane, ns, name)
+
+
+@dataclass(frozen=True)
+class Narrowing:
+    """An administrator takes `verb` on `resource` away from the operator's role; applying an
+    InferenceService with `spec` is then refused, with a message that starts with `refused` and
+    says `why`."""
+
+    group: str
+    resource: str
+    verb: str
+    spec: dict[str, Any]
+    refused: str  # {ns} and {name} are filled in
+    why: str
+
+
+NARROWINGS = {
+    # Applying a missing object creates it: RBAC checks `create` as well as `patch`.
+    "create-ingresses": Narrowing(
+        "networking.k8s.io",
+        "ingresses",
+        "create",
+        {"ingress": {"host": "unauthorized.example.com"}},
+        "create ingresses.networking.k8s.io {ns}/{name} was refused: ",
+        f'User "{USERNAME}" cannot create resource "ingresses" in API group "networking.k8s.io"',
+    ),
+    # Every child's owner reference sets blockOwnerDeletion, which the API server's
+    # OwnerReferencesPermissionEnforcement admission allows only with `update` on the owner's
+    # finalizers: never a request of its own, so only this shows the rule is needed.
+    "update-finalizers": Narrowing(
+        c.GROUP,
+        f"{c.PLURAL}/finalizers",
+        "update",
+        {},
+        "create services {ns}/{name}-ranks was refused: ",
+        "cannot set blockOwnerDeletion if an ownerReference refers to a resource you can't set "
+        "finalizers on",
+    ),
+    # The router's RoleBinding grants berth-router, whose rules the operator does not hold.
+    "bind-berth-router": Narrowing(
+        "rbac.authorization.k8s.io",
+        "clusterroles",
+        "bind",
+        {},
+        "create rolebindings.rbac.authorization.k8s.io {ns}/{name}-router was refused: ",
+        "is attempting to grant RBAC permissions not currently held",
+    ),
+}
+
+
+def narrowed(rules: list[dict[str, Any]], group: str, resource: str, verb: str) -> list:
+    """`rules` without `verb` on `resource` (a rule left with no verb goes)."""
+    result = []
+    for rule in rules:
+        if group in rule["apiGroups"] and resource in rule["resources"] and verb in rule["verbs"]:
+            assert rule["apiGroups"] == [group] and rule["resources"] == [resource], rule
+            rule = {**rule, "verbs": [v for v in rule["verbs"] if v != verb]}
+            if not rule["verbs"]:
+                continue
+        result.append(rule)
+    assert result != rules, f"the role grants no {verb} on {resource}"
+    return result
+
+
+@pytest.mark.parametrize("case", NARROWINGS)
+def test_an_rbac_refusal_is_a_condition_naming_verb_and_resource(
+    installed: ControlPlane, serving_namespace: str, case: str
+) -> None:
+    plane, ns, name, narrowing = installed, serving_namespace, "unauthorized", NARROWINGS[case]
+    rules = plane.get("clusterrole", OPERATOR_ROLE)["rules"]
+    fewer = narrowed(rules, narrowing.group, narrowing.resource, narrowing.verb)
+
+    def set_rules(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> None:
+        ops = [
+            {"op": "test", "path": "/rules", "value": old},
+            {"op": "replace", "path": "/rules", "value": new},
+        ]
+        plane.kubectl("patch", "clusterrole", OPERATOR_ROLE, "--type=json", "-p", json.dumps(ops))
+
+    # test_rbac_and_load.py lets these refusals through, and no other; and counts the rule as
+    # used by the operator.
+    refusal = (ns, narrowing.group, narrowing.resource, narrowing.verb)
+    conftest.RBAC_DENIED_ON_PURPOSE.add(refusal)
+    set_rules(rules, fewer)
+    try:
+        apply(plane, ns, isvc(name, narrowing.spec))
+        body = wait_condition(plane, ns, name, "Ready", reason="Forbidden")
+        message = condition(body, "Ready")["message"]
+        assert message.startswith(narrowing.refused.format(ns=ns, name=name)), message
+        assert narrowing.why in message, message
+        assert condition(body, "Stalled")["status"] == "True"
+        # Refused in the dry run: nothing of this generation was applied.
+        assert get(plane, "statefulset", ns, name) is None
+        warnings = [e["reason"] for e in events(plane, ns, name) if e["type"] == "Warning"]
+        assert warnings == ["Forbidden"]
+    finally:
+        set_rules(fewer, rules)
     wait_ready(plane, ns, name)
 
 

@@ -529,8 +529,11 @@ def test_the_router_discovers_the_ranks_from_endpoint_slices_with_its_own_token(
     installed: ControlPlane, serving_namespace: str, tmp_path: Path
 ) -> None:
     plane, ns, name = installed, serving_namespace, "routed"
-    apply(plane, ns, isvc(name, {"replicas": 2}))
+    # A neighbour in the namespace, with a rank 2 of its own: the API server applies the router's
+    # selector (discovery does not filter again), and must leave the neighbour's slices out.
+    apply(plane, ns, isvc(name, {"replicas": 2}), isvc("neighbour", {"replicas": 3}))
     wait_ready(plane, ns, name)
+    wait_ready(plane, ns, "neighbour")
     deployment = get(plane, "deployment", ns, f"{name}-router")
     pod_spec = deployment["spec"]["template"]["spec"]
     account = pod_spec["serviceAccountName"]

@@ -7,7 +7,9 @@ operator made in all the other cluster tests.
 
 from __future__ import annotations
 
+import re
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -31,7 +33,8 @@ from tests.unit.operator.factories import role_rules
 
 ROLE = REPO_ROOT / "manifests" / "rbac" / "role.yaml"
 # Authorized, never sent as requests of their own: owner references with blockOwnerDeletion need
-# `update` on the owner's finalizers; binding berth-router needs `bind` on it.
+# `update` on the owner's finalizers; binding berth-router needs `bind` on it. No audited request
+# shows them used: test_errors.py shows each needed, by taking it away (RBAC_DENIED_ON_PURPOSE).
 AUTHORIZATION_ONLY = {
     (c.GROUP, f"{c.PLURAL}/finalizers", "update"),
     ("rbac.authorization.k8s.io", "clusterroles", "bind"),
@@ -39,8 +42,36 @@ AUTHORIZATION_ONLY = {
 # Used only when a rank's scheduler stalls past its grace, which needs real ranks:
 # tests/integration/operator/test_autoscaling.py makes that call against its emulated API.
 USED_BY_HEALTH_CHECKS = {("", "pods", "delete")}
+# The RBAC authorizer's refusal, as the API server words it in a 403.
+RBAC_MESSAGE = re.compile(
+    r'cannot (?P<verb>[a-z]+) resource "(?P<resource>[^"]+)" in API group "(?P<group>[^"]*)"'
+)
 STEADY_WINDOW_SECONDS = 30.0
 SERVICES = 3
+
+
+def rbac_refusal(event: Mapping[str, Any]) -> tuple[str, str, str, str] | None:
+    """(namespace, apiGroup, resource, verb) that RBAC refused the operator in this request, if
+    any: the request itself (the audit's authorization decision), or a check made while serving
+    it, which the audit records as allowed: the `create` that applying a missing object needs,
+    the `update` on the owner's finalizers that blockOwnerDeletion needs, the `bind` that
+    granting a role one does not hold needs."""
+    ref = event.get("objectRef") or {}
+    namespace = ref.get("namespace", "")
+    if event.get("annotations", {}).get("authorization.k8s.io/decision") == "forbid":
+        resource = ref.get("resource", "")
+        if ref.get("subresource"):
+            resource = f"{resource}/{ref['subresource']}"
+        return namespace, ref.get("apiGroup", ""), resource, event["verb"]
+    status = event.get("responseStatus") or {}
+    message = status.get("message", "") if status.get("code") == 403 else ""
+    if found := RBAC_MESSAGE.search(message):
+        return namespace, found["group"], found["resource"], found["verb"]
+    if "cannot set blockOwnerDeletion" in message:  # our owner references: InferenceServices
+        return namespace, c.GROUP, f"{c.PLURAL}/finalizers", "update"
+    if "attempting to grant RBAC permissions not currently held" in message:
+        return namespace, "rbac.authorization.k8s.io", "clusterroles", "bind"
+    return None
 
 
 def granted() -> set[tuple[str, str, str]]:
@@ -73,7 +104,7 @@ def test_the_role_allows_exactly_what_the_operator_uses(
     denied = [
         (r["verb"], r["requestURI"])
         for r in requests
-        if r.get("annotations", {}).get("authorization.k8s.io/decision") == "forbid"
+        if (refusal := rbac_refusal(r)) and refusal not in conftest.RBAC_DENIED_ON_PURPOSE
     ]
     assert denied == [], "RBAC refused the operator"
     used = request_rules(requests)
@@ -82,7 +113,12 @@ def test_the_role_allows_exactly_what_the_operator_uses(
     everything = {path.name for path in (REPO_ROOT / "tests" / "cluster").glob("test_*.py")}
     if not everything <= modules:
         pytest.skip("the unused-verb check needs every module of tests/cluster/ to have run")
-    unused = granted() - used - AUTHORIZATION_ONLY - USED_BY_HEALTH_CHECKS
+    # A rule whose removal made the operator fail (test_errors.py) is used, audited or not.
+    needed = {
+        (group, resource, verb) for _, group, resource, verb in conftest.RBAC_DENIED_ON_PURPOSE
+    }
+    assert needed >= AUTHORIZATION_ONLY, "a rule only authorization uses was not shown needed"
+    unused = granted() - used - needed - USED_BY_HEALTH_CHECKS
     assert sorted(unused) == [], f"the role allows what the operator never uses: {sorted(unused)}"
 
 
