@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 
 from berth_common.errors import RequestError
 
@@ -21,16 +22,30 @@ logger = logging.getLogger(__name__)
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def sse_event(payload: BaseModel | dict[str, Any], exclude: set[str] | None = None) -> str:
-    """One server-sent event: `data: <JSON>` and a blank line (UTF-8 text left unescaped)."""
+def sse_event(
+    payload: BaseModel | dict[str, Any], exclude: set[str] | None = None, event: str | None = None
+) -> str:
+    """One server-sent event: `data: <JSON>` (after `event: <name>` when named, as the Responses
+    API's events are) and a blank line (UTF-8 text left unescaped)."""
+    name = f"event: {event}\n" if event else ""
     if isinstance(payload, BaseModel):
-        return f"data: {payload.model_dump_json(exclude=exclude)}\n\n"
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        return f"{name}data: {payload.model_dump_json(exclude=exclude)}\n\n"
+    return f"{name}data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 def error_response(err: RequestError) -> JSONResponse:
     """A RequestError as its OpenAI error body, status and headers."""
     return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers or None)
+
+
+def allowed_methods(app: FastAPI, scope: dict[str, Any]) -> list[str]:
+    """Every method some route serves on this path. Starlette's 405 names only the first route
+    that matches the path, and one path may have a route per method (GET and DELETE)."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        if isinstance(route, Route) and route.path_regex.match(scope["path"]):
+            methods |= route.methods or set()
+    return sorted(methods)
 
 
 def add_error_handlers(app: FastAPI, internal_error: str) -> None:
@@ -43,16 +58,16 @@ def add_error_handlers(app: FastAPI, internal_error: str) -> None:
         return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(exc.headers or {})
         if exc.status_code == 404:
             message, code = "no such route", "not_found"
         elif exc.status_code == 405:
             message, code = "method not allowed on this route", "method_not_allowed"
+            headers["Allow"] = ", ".join(allowed_methods(app, request.scope))
         else:
             message, code = str(exc.detail), None
-        return error_response(
-            RequestError(message, exc.status_code, code=code, headers=dict(exc.headers or {}))
-        )
+        return error_response(RequestError(message, exc.status_code, code=code, headers=headers))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -94,15 +109,30 @@ def uvicorn_config(
 
 class DrainingServer(uvicorn.Server):
     """uvicorn whose SIGTERM or SIGINT drains and then exits 0: it stops accepting, lets the
-    requests in flight finish (within `timeout_graceful_shutdown`), and returns. A second SIGINT
-    exits at once.
+    requests in flight finish (within `timeout_graceful_shutdown`), and returns. A second signal
+    that is one of `force_exit_signals` exits at once. Subclasses change how the drain starts
+    (`begin_drain`), not how signals are counted.
 
     uvicorn itself raises the signal again once it has shut down, so the process would end killed
     by it (exit -15), which supervisors and Kubernetes report as a failure."""
 
+    # uvicorn's own rule: only a second SIGINT (a second Ctrl-C) skips the drain.
+    force_exit_signals: frozenset[int] = frozenset({signal.SIGINT})
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._stop_signals = 0  # SIGTERM/SIGINT received by this process itself
+
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if self.should_exit and sig == signal.SIGINT:
+        self._stop_signals += 1
+        if self._stop_signals > 1 and sig in self.force_exit_signals:
+            self.should_exit = True
             self.force_exit = True
+            return
+        self.begin_drain(f"Received {signal.Signals(sig).name}")
+
+    def begin_drain(self, cause: str) -> None:
+        """Start the drain `cause` asks for: here uvicorn's own graceful shutdown."""
         self.should_exit = True
 
 

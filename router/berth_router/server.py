@@ -38,13 +38,14 @@ from berth_common.openapi import (
     plain_answers,
 )
 from berth_common.process import set_process_title
+from berth_common.response_ids import rank_of_response
 from berth_router import __version__
 from berth_router.args import RouterArgs
 from berth_router.discovery import DiscoveryError, EndpointSliceDiscovery, KubeConfig
 from berth_router.metrics import RouterMetrics
 from berth_router.policies import make_policy
 from berth_router.proxy import ProxyResponse, Router
-from berth_router.signals import SignalError, read_signals
+from berth_router.signals import RouteSignals, SignalError, read_signals
 from berth_router.workers import WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ PROBE_ANSWERS: dict[int | str, Any] = plain_answers(answers(ok=OBJECT), {503: "N
 ABORT_ANSWERS = plain_answers(
     answers(400, 401, 403, 413, ok=OBJECT), {404: "No rank is running such a request"}
 )
+STORED_ANSWERS = answers(400, 404, *FORWARD_ERRORS, ok=OBJECT)
 FLUSH_ANSWERS = plain_answers(answers(401, 403, ok=OBJECT), {400: "A rank could not flush"})
 
 
@@ -187,6 +189,22 @@ def create_app(args: RouterArgs, kube: KubeConfig | None = None) -> Any:
             endpoint=endpoint,
         )
 
+    def stored_response(request: Request, response_id: str) -> Response:
+        """A stored response lives on the rank that made it: its id names that rank."""
+        rank = rank_of_response(response_id)
+        return ProxyResponse(
+            router,
+            method=request.method,
+            path=_wire_path(request),
+            query=request.url.query,
+            headers=request.headers.raw,
+            body=b"",
+            signals=None
+            if rank is None
+            else RouteSignals(pinned_rank=rank, pinned_by="response_id"),
+            endpoint="/v1/responses/{id}",
+        )
+
     async def anywhere(request: Request, endpoint: str) -> Response:
         return ProxyResponse(
             router,
@@ -206,6 +224,18 @@ def create_app(args: RouterArgs, kube: KubeConfig | None = None) -> Any:
     @app.post("/v1/completions", responses=GENERATION_ANSWERS)
     async def completions(request: Request) -> Response:
         return await generation(request, "/v1/completions")
+
+    @app.post("/v1/responses", responses=GENERATION_ANSWERS)
+    async def create_response(request: Request) -> Response:
+        return await generation(request, "/v1/responses")
+
+    @app.get("/v1/responses/{response_id}", responses=STORED_ANSWERS)
+    async def retrieve_response(request: Request, response_id: str) -> Response:
+        return stored_response(request, response_id)
+
+    @app.delete("/v1/responses/{response_id}", responses=STORED_ANSWERS)
+    async def delete_response(request: Request, response_id: str) -> Response:
+        return stored_response(request, response_id)
 
     @app.post("/generate", responses=GENERATION_ANSWERS)
     async def generate(request: Request) -> Response:
@@ -248,6 +278,7 @@ def create_app(args: RouterArgs, kube: KubeConfig | None = None) -> Any:
             "/v1/chat/completions": ForwardedBody,
             "/v1/completions": ForwardedBody,
             "/generate": ForwardedBody,
+            "/v1/responses": ForwardedBody,
             "/abort_request": ForwardedBody,
         },
     )

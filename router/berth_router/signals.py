@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from berth_common.response_ids import rank_of_response
+
 DP_RANK_HEADER = "X-Data-Parallel-Rank"
 ROUTING_KEY_HEADER = "X-Routing-Key"
 
@@ -46,6 +48,8 @@ def read_signals(path: str, body: bytes, headers: Mapping[str, str]) -> RouteSig
     if not isinstance(payload, dict):
         payload = {}
     rank, pinned_by = _pinned_rank(payload, headers)
+    if rank is None and path.endswith("/responses"):
+        rank, pinned_by = _stored_response_rank(payload)
     return RouteSignals(
         pinned_rank=rank,
         pinned_by=pinned_by,
@@ -78,6 +82,13 @@ def _pinned_rank(
     return rank, DP_RANK_HEADER
 
 
+def _stored_response_rank(payload: dict[str, Any]) -> tuple[int | None, str | None]:
+    """A response that continues a stored one goes to the rank that stored it."""
+    previous = payload.get("previous_response_id")
+    rank = rank_of_response(previous) if isinstance(previous, str) else None
+    return (rank, "previous_response_id") if rank is not None else (None, None)
+
+
 def _routing_key(payload: dict[str, Any], headers: Mapping[str, str]) -> str | None:
     value = payload.get("routing_key")
     if value is not None:
@@ -101,6 +112,8 @@ def routing_text(path: str, payload: Mapping[str, Any]) -> str:
     become one character each; a batch is routed by its first prompt."""
     if path.endswith("/chat/completions"):
         return _chat_text(payload.get("messages"))
+    if path.endswith("/responses"):
+        return _responses_text(payload)
     if path.endswith("/completions"):
         return _prompt_text(payload.get("prompt"))
     if path.endswith("/generate"):
@@ -128,6 +141,18 @@ def _chat_text(messages: Any) -> str:
         role = message.get("role", "")
         parts.append(f"{content if content is not None else ''}{MESSAGE_END}{role}{MESSAGE_END}")
     return "".join(parts)
+
+
+def _responses_text(payload: Mapping[str, Any]) -> str:
+    """A Responses API request as chat's: its instructions are the system message."""
+    instructions = payload.get("instructions")
+    text = ""
+    if isinstance(instructions, str):
+        text = f"{instructions}{MESSAGE_END}system{MESSAGE_END}"
+    items = payload.get("input")
+    if isinstance(items, str):
+        return f"{text}{items}{MESSAGE_END}user{MESSAGE_END}"
+    return text + _chat_text(items)
 
 
 def _prompt_text(prompt: Any) -> str:

@@ -9,6 +9,8 @@ travel as lists.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from berth_runtime.sampling_params import SamplingParams
@@ -43,7 +45,19 @@ class TokenLogprob(msgspec.Struct, frozen=True, gc=False):
 
     logprob: float | None
     token_id: int
-    token: str  # the token's text
+    token: str  # the token's text (U+FFFD for part of a character)
+    token_bytes: bytes  # its own bytes: a byte-level token may hold part of a character
+
+
+class Timing(msgspec.Struct, frozen=True, gc=False):
+    """A finished request's time.time() stamps along the chain (0.0: a step it skipped)."""
+
+    received: float
+    tokenized: float
+    queued: float
+    scheduled: float
+    first_token: float
+    finished: float
 
 
 class RequestOutput(msgspec.Struct, kw_only=True, gc=False):
@@ -65,8 +79,7 @@ class RequestOutput(msgspec.Struct, kw_only=True, gc=False):
     # The prompt's logprobs (logprob_start_len == 0), in the first output only.
     prompt_logprobs: list[TokenLogprob] | None = None
     prompt_top_logprobs: list[list[TokenLogprob] | None] | None = None
-    # time.time() stamps along the chain, once finished.
-    timing: dict[str, float] | None = None
+    timing: Timing | None = None  # once finished
 
     @property
     def finished(self) -> bool:
@@ -137,7 +150,7 @@ ToScheduler = TokenizedGenerateReqInput | AbortReq | FlushCacheReq
 class FinishReason(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Why a request ended: `stop` (EOS, stop token or string), `length`, or `abort`."""
 
-    type: str
+    type: Literal["stop", "length", "abort"]
     matched_token: int | None = None
     matched_str: str | None = None
     message: str | None = None

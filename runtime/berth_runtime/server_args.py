@@ -128,6 +128,14 @@ class ServerArgs(DataclassCli):
             "/generate batch (OpenAI caps `n` at 128)."
         },
     )
+    max_stored_responses: int = field(
+        default=1000,
+        metadata={
+            "help": "Responses API: how many responses this server keeps in memory for "
+            "previous_response_id and GET /v1/responses/{id} (the oldest go first; 0 keeps "
+            "none)."
+        },
+    )
     graceful_shutdown_timeout: float = field(
         default=30.0,
         metadata={"help": "Seconds to let in-flight requests finish after SIGTERM."},
@@ -212,6 +220,8 @@ class ServerArgs(DataclassCli):
             raise ValueError(f"--gguf-q4-max-batch must be >= 0, got {self.gguf_q4_max_batch}")
         if self.watchdog_timeout <= 0:
             raise ValueError("--watchdog-timeout must be positive")
+        if self.max_stored_responses < 0:
+            raise ValueError("--max-stored-responses must be >= 0")
         if self.max_sequences_per_request < 1:
             raise ValueError("--max-sequences-per-request must be >= 1")
         if self.graceful_shutdown_timeout < 0:

@@ -40,6 +40,11 @@ from berth_runtime.entrypoints.protocol import (
     document_as_parsed,
     validation_error,
 )
+from berth_runtime.entrypoints.protocol_responses import (
+    DeletedResponse,
+    ResponseObject,
+    ResponsesRequest,
+)
 from berth_runtime.entrypoints.serving_generate import GenerateRequest
 from berth_runtime.io_struct import GenerateReqInput
 from berth_runtime.metrics import HttpMetricsMiddleware, MetricsCollector
@@ -109,6 +114,7 @@ class ServerState:
     serving_chat: Any = None
     serving_completion: Any = None
     serving_generate: Any = None
+    serving_responses: Any = None
 
     def __post_init__(self) -> None:
         self.metrics = MetricsCollector(self.args.model_name, self.args.dp_rank)
@@ -287,6 +293,23 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
         state.require_ready()
         return await state.serving_completion.handle_request(request, raw_request)
+
+    @app.post(
+        "/v1/responses", responses=answers(*GENERATION_ERRORS, ok=ResponseObject, ok_media=SSE)
+    )
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        state.require_ready()
+        return await state.serving_responses.create(request, raw_request)
+
+    @app.get("/v1/responses/{response_id}", responses=answers(401, 404, 503, ok=ResponseObject))
+    async def retrieve_response(response_id: str) -> Response:
+        state.require_ready()
+        return state.serving_responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}", responses=answers(401, 404, 503, ok=DeletedResponse))
+    async def delete_response(response_id: str) -> Response:
+        state.require_ready()
+        return state.serving_responses.delete(response_id)
 
     @app.post("/v1/embeddings", responses=answers(401, 404, 413))
     async def embeddings() -> Response:

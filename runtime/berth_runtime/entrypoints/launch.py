@@ -16,7 +16,7 @@ from typing import Any
 
 import uvicorn
 
-from berth_common.http import uvicorn_config
+from berth_common.http import DrainingServer, uvicorn_config
 from berth_common.logging import configure_logging
 from berth_common.process import DRAIN_REQUEST, set_process_title, stop_processes
 from berth_runtime.entrypoints.http_server import ServerState, create_app
@@ -91,13 +91,16 @@ class Engine:
         shutil.rmtree(self.ports.ipc_dir, ignore_errors=True)
 
 
-class BerthServer(uvicorn.Server):
+class BerthServer(DrainingServer):
     """uvicorn with a draining shutdown: on SIGTERM/SIGINT refuse new work (503), let in-flight
-    requests finish for the grace period, then exit. A second signal exits at once.
+    requests finish for the grace period, then exit. A second signal of either kind exits at once.
 
     A child sent SIGTERM or SIGINT asks for the same drain (DRAIN_REQUEST, see
     `berth_common.process`); those requests never count as the second signal, so a signal to the
     whole process group drains once."""
+
+    # The drain can last the whole grace period: a second SIGTERM too must be able to cut it short.
+    force_exit_signals = frozenset({signal.SIGINT, signal.SIGTERM})
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
@@ -105,15 +108,6 @@ class BerthServer(uvicorn.Server):
         self.exit_code = 0
         self._drain_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop_signals = 0  # SIGTERM/SIGINT received by this process itself
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        self._stop_signals += 1
-        if self._stop_signals > 1:  # a second one: stop now
-            self.should_exit = True
-            self.force_exit = True
-            return
-        self._begin_drain(f"Received {signal.Signals(sig).name}")
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -129,9 +123,9 @@ class BerthServer(uvicorn.Server):
         # With a signal to the whole group, this request and the process's own SIGTERM arrive
         # together, in either order (Python runs SIGUSR1's handler before SIGTERM's): whichever
         # comes first starts the one drain, and neither counts as a second signal.
-        self._begin_drain("A child process was asked to stop")
+        self.begin_drain("A child process was asked to stop")
 
-    def _begin_drain(self, cause: str) -> None:
+    def begin_drain(self, cause: str) -> None:
         if self.state.phase == "draining" or self.should_exit:
             return
         if self._loop is None or self.state.phase != "ready":
@@ -246,9 +240,11 @@ def _precheck_device(args: ServerArgs) -> None:
 
 
 async def _start_engine(state: ServerState, engine: Engine, server: BerthServer) -> None:
+    from berth_runtime.entrypoints.response_store import ResponseStore
     from berth_runtime.entrypoints.serving_chat import OpenAIServingChat
     from berth_runtime.entrypoints.serving_completions import OpenAIServingCompletion
     from berth_runtime.entrypoints.serving_generate import NativeServingGenerate
+    from berth_runtime.entrypoints.serving_responses import OpenAIServingResponses
     from berth_runtime.managers.tokenizer_manager import TokenizerManager
 
     loop = asyncio.get_running_loop()
@@ -294,6 +290,9 @@ async def _start_engine(state: ServerState, engine: Engine, server: BerthServer)
     state.serving_chat = OpenAIServingChat(tm)
     state.serving_completion = OpenAIServingCompletion(tm)
     state.serving_generate = NativeServingGenerate(tm)
+    state.serving_responses = OpenAIServingResponses(
+        tm, ResponseStore(state.args.max_stored_responses), state.args.dp_rank
+    )
     state.ready_time = time.time()
     state.phase = "ready"
     state.reason = ""

@@ -5,6 +5,10 @@ they know, so that a bad value is a 400 whose `param` names the field (see `vali
 Every OpenAI parameter is honoured, accepted where it changes nothing here (`NO_EFFECT`: the
 README lists them), or refused with a 400 naming it (`unsupported`) unless it asks for nothing
 (`tools: []`, `function_call: "none"`). Fields OpenAI does not have are ignored.
+
+Over 400 lines because it is one wire format: the shared field types and the strictness rules
+above are what every model below is made of (the Responses API's own objects are in
+`protocol_responses.py`).
 """
 
 from __future__ import annotations

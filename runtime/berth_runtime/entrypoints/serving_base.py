@@ -11,6 +11,9 @@ raised as `RequestError` and becomes a plain HTTP error. A choice aborted later 
 streaming, the HTTP error of its abort status; when streaming, one SSE event
 `data: {"error": {"message", ...}}` (the error body; the OpenAI SDK raises `APIError` on it) then
 `data: [DONE]`. An abort of one choice ends the whole response and aborts the other choices.
+
+Over 400 lines because the request flow, the choice streams it reads and the SSE body it writes
+are one contract (who closes which stream, when an abort becomes which error).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import asyncio
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import anyio
 import msgspec
@@ -83,16 +86,10 @@ class OpenAIServingBase(ABC, Generic[RequestT]):
         self.tokenizer_manager = tokenizer_manager
 
     async def handle_request(self, request: RequestT, raw_request: Request) -> Response:
-        self._check_model(request.model)
+        check_model(self.tokenizer_manager, request.model)
         check_sequences(request.sequence_count(), self.tokenizer_manager, "n")
         base_rid = request.rid or uuid.uuid4().hex
-        constraint = request.grammar()
-        if constraint is not None:
-            # A bad schema is the client's error, named by its field, before anything runs.
-            param, spec = constraint
-            await self.tokenizer_manager.run_tokenizer(
-                self.tokenizer_manager.check_grammar, spec, param
-            )
+        await check_grammar(self.tokenizer_manager, request)
         # Templating and tokenizing happen here: off the event loop.
         reqs = await self.tokenizer_manager.run_tokenizer(
             self.build_inputs, request, raw_request, base_rid
@@ -132,16 +129,26 @@ class OpenAIServingBase(ABC, Generic[RequestT]):
     ) -> BaseModel:
         """The non-streaming answer from every choice's final output."""
 
-    def _check_model(self, model: str | None) -> None:
-        served = self.tokenizer_manager.model_name
-        if model is not None and model != served:
-            raise RequestError(
-                f"The model `{model}` does not exist; this server serves `{served}`.",
-                404,
-                err_type="NotFoundError",
-                param="model",
-                code="model_not_found",
-            )
+
+def check_model(engine: EngineClient, model: str | None) -> None:
+    """Refuse a request for a model this server does not serve (None: the served one)."""
+    served = engine.model_name
+    if model is not None and model != served:
+        raise RequestError(
+            f"The model `{model}` does not exist; this server serves `{served}`.",
+            404,
+            err_type="NotFoundError",
+            param="model",
+            code="model_not_found",
+        )
+
+
+async def check_grammar(engine: EngineClient, request: SamplingRequest) -> None:
+    """A bad schema is the client's error, named by its field, before anything runs."""
+    constraint = request.grammar()
+    if constraint is not None:
+        param, spec = constraint
+        await engine.run_tokenizer(engine.check_grammar, spec, param)
 
 
 def check_sequences(count: int, engine: EngineClient, param: str) -> None:
@@ -167,7 +174,7 @@ def choice_inputs(
     logprob_start_len: int = -1,
 ) -> list[GenerateReqInput]:
     """One GenerateReqInput per choice, in choice-index order (see the module docstring)."""
-    routing = routing_signals(request, raw_request)
+    dp_rank, priority = routing_signals(request, raw_request)
     total = len(prompts) * request.n
     reqs = []
     for index in range(total):
@@ -185,7 +192,8 @@ def choice_inputs(
                 return_logprob=return_logprob,
                 top_logprobs_num=top_logprobs_num,
                 logprob_start_len=logprob_start_len,
-                **routing,
+                routed_dp_rank=dp_rank,
+                priority=priority,
             )
         )
     return reqs
@@ -215,8 +223,10 @@ def sampling_params(request: SamplingRequest, max_new_tokens: int | None) -> Sam
     )
 
 
-def routing_signals(request: SamplingRequest, raw_request: Request) -> dict[str, Any]:
-    """DP rank and priority; a body field wins over its header. (A routing key is the router's:
+def routing_signals(
+    request: SamplingRequest, raw_request: Request
+) -> tuple[int | None, int | None]:
+    """(DP rank, priority); a body field wins over its header. (A routing key is the router's:
     a rank has nothing to do with it.)"""
     dp_rank = request.routed_dp_rank
     header = raw_request.headers.get(DP_RANK_HEADER)
@@ -230,10 +240,7 @@ def routing_signals(request: SamplingRequest, raw_request: Request) -> dict[str,
                 f"{DP_RANK_HEADER} must be a non-negative integer, got {header!r}",
                 param=DP_RANK_HEADER,
             )
-    return {
-        "routed_dp_rank": dp_rank,
-        "priority": request.priority,
-    }
+    return dp_rank, request.priority
 
 
 def usage_info(outputs: Sequence[Output], n: int) -> UsageInfo:

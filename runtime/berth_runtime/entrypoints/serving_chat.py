@@ -30,6 +30,7 @@ from berth_runtime.entrypoints.protocol import (
     UsageInfo,
 )
 from berth_runtime.entrypoints.serving_base import (
+    EngineClient,
     OpenAIServingBase,
     Output,
     choice_inputs,
@@ -59,7 +60,7 @@ class OpenAIServingChat(OpenAIServingBase[ChatCompletionRequest]):
         return choice_inputs(
             request,
             raw_request,
-            [self._apply_chat_template(request.messages, request.tools)],
+            [chat_prompt_ids(self.tokenizer_manager, request.messages, request.tools)],
             base_rid,
             sampling_params(request, request.max_new_tokens),
             return_logprob=request.logprobs,
@@ -99,29 +100,30 @@ class OpenAIServingChat(OpenAIServingBase[ChatCompletionRequest]):
             usage=usage_info(outputs, request.n),
         )
 
-    def _apply_chat_template(
-        self, messages: list[ChatMessage], tools: list[Tool] | None
-    ) -> list[int]:
-        """The prompt's token ids: the rendered template (with the tool definitions, for a
-        template that shows them) plus the assistant's generation prompt, tokenized without
-        adding special tokens again (the template has them)."""
-        tokenizer = self.tokenizer_manager.tokenizer
-        rendered = [template_message(message) for message in messages]
-        definitions = [tool.model_dump(exclude_none=True) for tool in tools or []]
-        self.tokenizer_manager.check_prompt_chars(
-            sum(len(message.content) for message in messages) + len(json.dumps(definitions)),
-            "messages",
+
+def chat_prompt_ids(
+    engine: EngineClient, messages: list[ChatMessage], tools: list[Tool] | None
+) -> list[int]:
+    """The prompt's token ids: the rendered template (with the tool definitions, for a template
+    that shows them) plus the assistant's generation prompt, tokenized without adding special
+    tokens again (the template has them)."""
+    tokenizer = engine.tokenizer
+    rendered = [template_message(message) for message in messages]
+    definitions = [tool.model_dump(exclude_none=True) for tool in tools or []]
+    engine.check_prompt_chars(
+        sum(len(message.content) for message in messages) + len(json.dumps(definitions)),
+        "messages",
+    )
+    try:
+        prompt = tokenizer.apply_chat_template(
+            rendered,
+            tools=definitions or None,
+            add_generation_prompt=True,
+            tokenize=False,
         )
-        try:
-            prompt = tokenizer.apply_chat_template(
-                rendered,
-                tools=definitions or None,
-                add_generation_prompt=True,
-                tokenize=False,
-            )
-        except (jinja2.TemplateError, ValueError) as err:
-            raise RequestError(f"cannot apply the chat template: {err}", param="messages") from err
-        return tokenizer.encode(prompt, add_special_tokens=False)
+    except (jinja2.TemplateError, ValueError) as err:
+        raise RequestError(f"cannot apply the chat template: {err}", param="messages") from err
+    return tokenizer.encode(prompt, add_special_tokens=False)
 
 
 def answer(plan: ToolPlan, out: Output) -> tuple[ChatCompletionMessage, str | None]:
@@ -253,22 +255,18 @@ def chat_logprobs(out: Output) -> ChoiceLogprobs:
     content = []
     for pos, chosen in enumerate(out.logprobs or []):
         alternatives = [
-            TopLogprob(token=alt.token, logprob=finite(alt.logprob), bytes=_utf8(alt.token))
+            TopLogprob(token=alt.token, logprob=finite(alt.logprob), bytes=list(alt.token_bytes))
             for alt in (tops[pos] if tops else [])
         ]
         content.append(
             ChatCompletionTokenLogprob(
                 token=chosen.token,
                 logprob=finite(chosen.logprob),
-                bytes=_utf8(chosen.token),
+                bytes=list(chosen.token_bytes),
                 top_logprobs=alternatives,
             )
         )
     return ChoiceLogprobs(content=content)
-
-
-def _utf8(token: str) -> list[int]:
-    return list(token.encode("utf-8"))
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:

@@ -133,7 +133,7 @@ def generate_result(obj: GenerateReqInput, out: RequestOutput) -> dict[str, Any]
                     None if top is None else _triples(top) for top in out.prompt_top_logprobs or []
                 ]
     if out.timing is not None:
-        meta["timing"] = out.timing
+        meta["timing"] = msgspec.structs.asdict(out.timing)
     return {"text": out.text, "output_ids": out.token_ids, "meta_info": meta}
 
 

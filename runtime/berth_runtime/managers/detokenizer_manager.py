@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from berth_runtime.io_struct import BatchOutput, FinishReason
+from berth_runtime.utils.token_bytes import incomplete_tail
 
 
 @dataclass
@@ -24,8 +25,15 @@ class IncrementalDetokenizer:
     """Decodes token ids incrementally per request; never emits a partial UTF-8 character, and never
     emits text that may turn out to be the start of a stop string."""
 
-    def __init__(self, decode: Callable[[list[int], bool], str]) -> None:
+    def __init__(
+        self,
+        decode: Callable[[list[int], bool], str],
+        token_bytes: Sequence[bytes] = (),
+    ) -> None:
         self.decode = decode  # (ids, skip_special_tokens) -> text
+        # Each token id's bytes: a text that ends when its last character is not complete
+        # (max_tokens reached mid-character) drops that part instead of ending in U+FFFD.
+        self.token_bytes = token_bytes
         self.states: dict[str, DecodeState] = {}
 
     def step(
@@ -79,11 +87,19 @@ class IncrementalDetokenizer:
         full_text = self.decode(state.ids[state.prefix_offset :], skip_special_tokens)
         if len(full_text) <= len(prefix_text):
             return
-        if full_text.endswith("\ufffd") and not flush:
-            return  # an incomplete UTF-8 sequence: wait for the next token
+        if full_text.endswith("\ufffd"):
+            if not flush:
+                return  # an incomplete UTF-8 sequence: wait for the next token
+            if self._ends_mid_character(state.ids):
+                full_text = full_text[:-1]  # the request ended inside a character
         state.text += full_text[len(prefix_text) :]
         state.prefix_offset = state.read_offset
         state.read_offset = len(state.ids)
+
+    def _ends_mid_character(self, ids: list[int]) -> bool:
+        vocab = self.token_bytes
+        tail = b"".join(vocab[i] for i in ids[-3:] if i < len(vocab))
+        return incomplete_tail(tail) > 0
 
 
 def _partial_stop_suffix(text: str, stop_strs: list[str]) -> int:

@@ -13,6 +13,7 @@ from berth_common.process import init_child_process
 from berth_runtime.io_struct import SchedulerStats, ToDetokenizer
 from berth_runtime.managers.detokenizer_manager import IncrementalDetokenizer, detokenize_batch
 from berth_runtime.server_args import ServerArgs
+from berth_runtime.utils.token_bytes import vocab_bytes
 from berth_runtime.utils.zmq_ipc import PortArgs, Receiver, Sender
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ def run_detokenizer_process(
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
+        token_bytes = vocab_bytes(tokenizer)
         ctx = zmq.Context()
         recv_from_scheduler = Receiver(ctx, ports.detokenizer_input, ToDetokenizer)
         send_to_tokenizer = Sender(ctx, ports.tokenizer_input)
@@ -40,7 +42,7 @@ def run_detokenizer_process(
     ready.close()
 
     detok = IncrementalDetokenizer(
-        lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
+        lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip), token_bytes
     )
     while True:
         batch = recv_from_scheduler.recv(POLL_MS)

@@ -1,5 +1,10 @@
 """TokenizerManager (API process): GenerateReqInput -> ReqState + TokenizedGenerateReqInput, and
-the engine's outputs back to the awaiting HTTP handler."""
+the engine's outputs back to the awaiting HTTP handler.
+
+Over 400 lines because admission (limits, tokenizing off the loop), the request's life (its state,
+aborts, drain) and the engine's outputs coming back all act on the same `rid_to_state`; split,
+each part would reach into the others' state.
+"""
 
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ from berth_runtime.io_struct import (
     RequestOutput,
     SchedulerBusy,
     SchedulerStats,
+    Timing,
     TokenizedGenerateReqInput,
     TokenLogprob,
     ToTokenizer,
@@ -41,6 +47,7 @@ from berth_runtime.managers.engine_liveness import EngineLiveness
 from berth_runtime.metrics import MetricsCollector
 from berth_runtime.sampling_params import SamplingParamsError
 from berth_runtime.server_args import ServerArgs
+from berth_runtime.utils.token_bytes import vocab_bytes
 from berth_runtime.utils.zmq_ipc import PortArgs
 
 logger = logging.getLogger(__name__)
@@ -112,6 +119,7 @@ class TokenizerManager:
         self.dead_reason: str | None = None
         self._flush_waiters: list[asyncio.Future[FlushCacheOut]] = []
         self._token_text_cache: dict[int, str] = {}
+        self.vocab_bytes = vocab_bytes(self.tokenizer)
         self.metrics = metrics
         self.metrics.set_engine_info(self.context_len, self.max_total_tokens)
         # Templating and tokenizing a long prompt on the event loop would hold up every other
@@ -176,8 +184,9 @@ class TokenizerManager:
         """Refuse, before tokenizing, a prompt too long in characters to fit in the context."""
         if chars > self.max_prompt_chars:
             raise RequestError(
-                f"This model's maximum context length is {self.context_len} tokens, and the "
-                f"prompt's {chars} characters cannot fit in it. Please reduce the prompt.",
+                f"The prompt is too long: this model's maximum context length is "
+                f"{self.context_len} tokens, and the prompt's {chars} characters cannot fit in "
+                "it. Please reduce the prompt.",
                 param=param,
                 code="context_length_exceeded",
             )
@@ -305,10 +314,13 @@ class TokenizerManager:
         max_new = params.max_new_tokens
         wanted = prompt_len + (max_new or 0)
         if prompt_len >= self.context_len or wanted > self.context_len:
+            # "prompt is too long" and the code are what LangChain and LiteLLM look for to raise
+            # their context-overflow errors (on which agents trim their history and retry).
             raise RequestError(
-                f"This model's maximum context length is {self.context_len} tokens. However, you "
-                f"requested {wanted} tokens ({prompt_len} in the prompt, {max_new or 0} for the "
-                "completion). Please reduce the prompt or the completion length.",
+                f"The prompt is too long: this model's maximum context length is "
+                f"{self.context_len} tokens. However, you requested {wanted} tokens ({prompt_len} "
+                f"in the prompt, {max_new or 0} for the completion). Please reduce the prompt or "
+                "the completion length.",
                 param="messages" if max_new is None else "max_tokens",
                 code="context_length_exceeded",
             )
@@ -448,14 +460,14 @@ class TokenizerManager:
         )
         if out.output_token_logprobs is not None:
             result.logprobs = [
-                TokenLogprob(lp, tid, self.token_text(tid))
+                self.token_logprob(lp, tid)
                 for lp, tid in zip(out.output_token_logprobs, out.new_token_ids)
             ]
             if out.output_top_logprobs is not None:
                 result.top_logprobs = [self._with_text(top) for top in out.output_top_logprobs]
         if out.input_token_logprobs is not None and state.obj.logprob_start_len == 0:
             result.prompt_logprobs = [
-                TokenLogprob(lp, tid, self.token_text(tid))
+                self.token_logprob(lp, tid)
                 for lp, tid in zip(out.input_token_logprobs, state.input_ids)
             ]
             if out.input_top_logprobs is not None:
@@ -463,25 +475,27 @@ class TokenizerManager:
                     None if top is None else self._with_text(top) for top in out.input_top_logprobs
                 ]
         if out.finish_reason is not None:
-            result.timing = {
-                "received": state.received_time,
-                "tokenized": state.tokenized_time,
-                "queued": state.queued_time,
-                "scheduled": state.scheduled_time,
-                "first_token": state.first_token_time,
-                "finished": state.finished_time,
-            }
+            result.timing = Timing(
+                received=state.received_time,
+                tokenized=state.tokenized_time,
+                queued=state.queued_time,
+                scheduled=state.scheduled_time,
+                first_token=state.first_token_time,
+                finished=state.finished_time,
+            )
         return result
 
-    def token_text(self, token_id: int) -> str:
+    def token_logprob(self, logprob: float | None, token_id: int) -> TokenLogprob:
         text = self._token_text_cache.get(token_id)
         if text is None:
             text = self.tokenizer.decode([token_id])
             self._token_text_cache[token_id] = text
-        return text
+        vocab = self.vocab_bytes
+        known = token_id < len(vocab)
+        return TokenLogprob(logprob, token_id, text, vocab[token_id] if known else b"")
 
     def _with_text(self, top: list[tuple[float, int]]) -> list[TokenLogprob]:
-        return [TokenLogprob(lp, tid, self.token_text(tid)) for lp, tid in top]
+        return [self.token_logprob(lp, tid) for lp, tid in top]
 
 
 def longest_token_chars(tokenizer: Any) -> int:

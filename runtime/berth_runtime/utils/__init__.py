@@ -1,1 +1,1 @@
-"""Runtime helpers: typed ZeroMQ IPC sockets (what deployables share is in berth_common)."""
+"""Runtime helpers: typed ZeroMQ IPC sockets, token bytes (shared helpers: berth_common)."""

@@ -297,3 +297,44 @@ def test_embeddings_say_this_model_serves_none(client: openai.OpenAI):
     with pytest.raises(openai.NotFoundError) as info:
         client.embeddings.create(model=MODEL, input="hi")
     assert info.value.code == "model_not_supported" and "no embeddings" in info.value.message
+
+
+# "日" is three bytes, e6 97 a5: this vocabulary has a token for its first two ("æĹ", id 23274)
+# and one for the last. Forcing the first token with max_tokens 1 ends the answer mid-character.
+FIRST_TWO_BYTES_OF_NICHI = 23274
+
+
+def test_logprob_bytes_are_the_tokens_own_and_no_half_character_is_sent(
+    client: openai.OpenAI,
+):
+    forced = {"logit_bias": {str(FIRST_TWO_BYTES_OF_NICHI): 100}, "max_tokens": 1}
+    messages = [{"role": "user", "content": "Say a word."}]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, logprobs=True, **forced
+    )
+    token = reply.choices[0].logprobs.content[0]
+    assert token.bytes == [0xE6, 0x97]  # not U+FFFD's ef bf bd
+    assert reply.choices[0].message.content == ""
+    assert reply.choices[0].finish_reason == "length"
+
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, stream=True, **forced
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == ""
+
+    completion = client.completions.create(model=MODEL, prompt="A word:", **forced)
+    assert completion.choices[0].text == ""
+
+
+def test_a_character_split_over_tokens_is_rebuilt_from_their_bytes(client: openai.OpenAI):
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Repeat exactly: 日本 café 🚀"}],
+        temperature=0,
+        max_tokens=30,
+        logprobs=True,
+    )
+    tokens = reply.choices[0].logprobs.content
+    joined = b"".join(bytes(t.bytes) for t in tokens).decode("utf-8", errors="strict")
+    assert joined == reply.choices[0].message.content
+    assert any(t.token == "\ufffd" for t in tokens), "no token held part of a character"

@@ -54,3 +54,25 @@ async def test_errors_become_openai_bodies() -> None:
     assert error["type"] == "InternalServerError" and error["code"] == "internal_error"
     assert error["message"].startswith("test error (error id ")
     assert "KeyError" not in broken_response.text
+
+
+def test_a_named_event_says_its_name_first() -> None:
+    assert sse_event({"type": "x"}, event="x") == 'event: x\ndata: {"type": "x"}\n\n'
+
+
+async def test_a_405_allows_every_method_of_the_path_not_only_the_first_routes() -> None:
+    app = FastAPI()
+    add_error_handlers(app, "test error")
+
+    @app.get("/items/{item}")
+    async def read(item: str) -> None: ...
+
+    @app.delete("/items/{item}")
+    async def forget(item: str) -> None: ...
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        response = await client.post("/items/7")
+    assert response.status_code == 405
+    assert response.headers["allow"] == "DELETE, GET"
+    assert response.json()["error"]["code"] == "method_not_allowed"

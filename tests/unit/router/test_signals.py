@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from berth_common.response_ids import new_response_id, rank_of_response
 from berth_router.args import RouterArgs
 from berth_router.server import build_parser
 from berth_router.signals import (
@@ -19,6 +20,7 @@ from berth_router.signals import (
 )
 
 CHAT = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
 
 
 def signals(body: object, headers: dict[str, str] | None = None, path: str = CHAT) -> RouteSignals:
@@ -89,6 +91,35 @@ def test_chat_text_shares_a_prefix_exactly_when_the_conversation_does() -> None:
     assert routing_text(CHAT, parts) == routing_text(
         CHAT, {"messages": [{"role": "user", "content": "Hi"}]}
     )
+
+
+def test_a_continued_response_is_pinned_to_the_rank_in_its_id() -> None:
+    previous = {"input": "more", "previous_response_id": new_response_id(2)}
+    pinned = signals(previous, path=RESPONSES)
+    assert (pinned.pinned_rank, pinned.pinned_by) == (2, "previous_response_id")
+    # An explicit pin wins; an id without a rank (a one-rank server's) pins nothing.
+    assert signals({**previous, "routed_dp_rank": 0}, path=RESPONSES).pinned_rank == 0
+    assert (
+        signals({"previous_response_id": new_response_id(None)}, path=RESPONSES).pinned_rank is None
+    )
+    assert signals(previous, path=CHAT).pinned_rank is None
+    assert rank_of_response("resp_r12_abc") == 12
+    assert rank_of_response("resp_rx_abc") is None and rank_of_response("chatcmpl-1") is None
+
+
+def test_responses_text_is_chat_text_with_instructions_as_the_system_message() -> None:
+    chat = routing_text(
+        CHAT,
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+            ]
+        },
+    )
+    assert routing_text(RESPONSES, {"instructions": "Be brief.", "input": "Hi"}) == chat
+    items = {"instructions": "Be brief.", "input": [{"role": "user", "content": "Hi"}]}
+    assert routing_text(RESPONSES, items) == chat
 
 
 def test_completion_and_generate_text() -> None:

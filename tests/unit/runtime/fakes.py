@@ -27,6 +27,7 @@ from berth_runtime.entrypoints.serving_completions import OpenAIServingCompletio
 from berth_runtime.io_struct import FinishReason, GenerateReqInput, RequestOutput, TokenLogprob
 from berth_runtime.managers.tokenizer_manager import TokenizerManager
 from berth_runtime.server_args import ServerArgs
+from berth_runtime.utils.token_bytes import vocab_bytes
 
 MODEL = "smollm2"
 REPLY = "The capital of France is Paris."
@@ -34,6 +35,11 @@ STOP = FinishReason("stop", matched_token=2)
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 T = TypeVar("T")
+
+
+@functools.cache
+def token_bytes_of(tokenizer: PreTrainedTokenizerBase) -> list[bytes]:
+    return vocab_bytes(tokenizer)
 
 
 @functools.cache
@@ -61,7 +67,9 @@ def scripted_outputs(
     vocab = len(tokenizer)
 
     def token(logprob: float | None, token_id: int) -> TokenLogprob:
-        return TokenLogprob(logprob, token_id, tokenizer.decode([token_id]))
+        return TokenLogprob(
+            logprob, token_id, tokenizer.decode([token_id]), token_bytes_of(tokenizer)[token_id]
+        )
 
     def tops(logprob: float, token_id: int) -> list[TokenLogprob]:
         alternatives = [token(logprob, token_id)]

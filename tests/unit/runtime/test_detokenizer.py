@@ -6,6 +6,7 @@ import pytest
 
 from berth_runtime.io_struct import FinishReason
 from berth_runtime.managers.detokenizer_manager import IncrementalDetokenizer, _partial_stop_suffix
+from berth_runtime.utils.token_bytes import vocab_bytes
 from tests.helpers import embedded_tokenizer
 
 
@@ -16,7 +17,9 @@ def tokenizer():
 
 @pytest.fixture
 def detok(tokenizer) -> IncrementalDetokenizer:
-    return IncrementalDetokenizer(lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip))
+    return IncrementalDetokenizer(
+        lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip), vocab_bytes(tokenizer)
+    )
 
 
 def stream(detok, ids, stops=(), finish_last=FinishReason("length")) -> list[str]:
@@ -41,6 +44,16 @@ def test_multibyte_character_is_held_until_complete(tokenizer, detok):
     deltas = stream(detok, ids)
     assert deltas[:-1] == [""] * (len(ids) - 1)
     assert deltas[-1] == "🚀"
+
+
+@pytest.mark.parametrize("text", ["日", "ab日本", "x 🚀"])
+def test_an_answer_cut_inside_a_character_ends_before_it(tokenizer, detok, text):
+    ids = tokenizer(text).input_ids
+    for cut in range(1, len(ids) + 1):
+        joined = "".join(stream(detok, ids[:cut]))
+        assert "\ufffd" not in joined
+        assert text.startswith(joined)
+    assert "".join(stream(detok, ids)) == text
 
 
 def test_stop_string_is_cut_and_never_streamed(tokenizer, detok):
