@@ -171,13 +171,10 @@ def create_app(args: RouterArgs, kube: KubeConfig | None = None) -> Any:
 
     # --- proxied -------------------------------------------------------------------------------
 
-    async def generation(request: Request, endpoint: str) -> Response:
-        body = await request.body()
-        try:
-            signals = read_signals(request.url.path, body, request.headers)
-        except SignalError as e:
-            metrics.requests.labels("none", endpoint, "400").inc()
-            return error_response(RequestError(e.message, 400, param=e.param))
+    def forward(
+        request: Request, body: bytes, signals: RouteSignals | None, endpoint: str
+    ) -> Response:
+        """Send the request on as it came: to the rank its signals choose (None: any rank)."""
         return ProxyResponse(
             router,
             method=request.method,
@@ -189,33 +186,23 @@ def create_app(args: RouterArgs, kube: KubeConfig | None = None) -> Any:
             endpoint=endpoint,
         )
 
+    async def generation(request: Request, endpoint: str) -> Response:
+        body = await request.body()
+        try:
+            signals = read_signals(request.url.path, body, request.headers)
+        except SignalError as e:
+            metrics.requests.labels("none", endpoint, "400").inc()
+            return error_response(RequestError(e.message, 400, param=e.param))
+        return forward(request, body, signals, endpoint)
+
     def stored_response(request: Request, response_id: str) -> Response:
         """A stored response lives on the rank that made it: its id names that rank."""
         rank = rank_of_response(response_id)
-        return ProxyResponse(
-            router,
-            method=request.method,
-            path=_wire_path(request),
-            query=request.url.query,
-            headers=request.headers.raw,
-            body=b"",
-            signals=None
-            if rank is None
-            else RouteSignals(pinned_rank=rank, pinned_by="response_id"),
-            endpoint="/v1/responses/{id}",
-        )
+        pinned = None if rank is None else RouteSignals(pinned_rank=rank, pinned_by="response_id")
+        return forward(request, b"", pinned, "/v1/responses/{id}")
 
     async def anywhere(request: Request, endpoint: str) -> Response:
-        return ProxyResponse(
-            router,
-            method=request.method,
-            path=_wire_path(request),
-            query=request.url.query,
-            headers=request.headers.raw,
-            body=await request.body(),
-            signals=None,
-            endpoint=endpoint,
-        )
+        return forward(request, await request.body(), None, endpoint)
 
     @app.post("/v1/chat/completions", responses=GENERATION_ANSWERS)
     async def chat_completions(request: Request) -> Response:

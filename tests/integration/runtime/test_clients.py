@@ -32,8 +32,7 @@ def get_weather(city: str) -> str:
     return f"Sunny in {city}"
 
 
-@pytest.fixture
-def chat_model(server: RunningServer):
+def chat_openai(server: RunningServer, **options):
     return langchain_openai.ChatOpenAI(
         model=MODEL,
         base_url=f"{server.base_url}/v1",
@@ -41,7 +40,13 @@ def chat_model(server: RunningServer):
         temperature=0,
         max_tokens=40,
         max_retries=0,
+        **options,
     )
+
+
+@pytest.fixture
+def chat_model(server: RunningServer):
+    return chat_openai(server)
 
 
 def test_langchain_invoke_and_stream_give_the_same_answer(chat_model):
@@ -72,15 +77,7 @@ def test_langchain_context_overflow_raises_context_overflow_error(chat_model):
 
 
 def test_langchain_on_the_responses_api(server: RunningServer, chat_model):
-    responses_model = langchain_openai.ChatOpenAI(
-        model=MODEL,
-        base_url=f"{server.base_url}/v1",
-        api_key="unused",
-        temperature=0,
-        max_tokens=40,
-        max_retries=0,
-        use_responses_api=True,
-    )
+    responses_model = chat_openai(server, use_responses_api=True)
     answer = responses_model.invoke(QUESTION)
     assert answer.text == chat_model.invoke(QUESTION).content
     streamed = "".join(chunk.text for chunk in responses_model.stream(QUESTION))
