@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Iterable
 from typing import Any, TextIO
@@ -11,7 +12,8 @@ import yaml
 
 from berth_operator import builders
 from berth_operator import constants as c
-from berth_operator.spec import InferenceService, SpecError
+from berth_operator.pool_placement import PlacementError, merge_for_render
+from berth_operator.spec import SpecError
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 
@@ -27,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout,
             sys.stderr,
             router_image=args.router_image,
+            pool_files=args.pool_files,
         )
     return run(args)
 
@@ -101,7 +104,17 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         required=True,
         metavar="FILE",
-        help="InferenceService YAML file ('-' for stdin; repeatable; multi-document files ok)",
+        help="InferenceService YAML file ('-' for stdin; repeatable; multi-document files ok; "
+        "AcceleratorPools in it are used like --pool's)",
+    )
+    render_p.add_argument(
+        "--pool",
+        dest="pool_files",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="AcceleratorPool YAML for services that list spec.pools (repeatable): the children "
+        "show the service as placed in the first listed pool its namespace may use",
     )
     render_p.add_argument(
         "-n",
@@ -144,37 +157,48 @@ def render(
     err: TextIO,
     *,
     router_image: str = c.DEFAULT_ROUTER_IMAGE,
+    pool_files: Iterable[str] = (),
 ) -> int:
-    """Write the children of every InferenceService in `files` as one YAML stream; 1 on errors."""
+    """Write the children of every InferenceService in `files` as one YAML stream; 1 on errors.
+
+    A service that lists pools is rendered as placed in the first of them its namespace may use,
+    with the pool's settings merged in (AcceleratorPools from `pool_files` and from `files`)."""
     children: list[dict[str, Any]] = []
     failed = False
-    for path in files:
+    documents: list[tuple[str, dict[str, Any]]] = []
+    for path in [*files, *pool_files]:
         try:
             docs = _load(path)
         except (OSError, yaml.YAMLError) as e:
             err.write(f"error: {path}: {e}\n")
             failed = True
             continue
-        for doc in docs:
-            if not isinstance(doc, dict):
-                continue
-            if doc.get("kind") != c.KIND:
-                err.write(f"skipping {doc.get('kind')!s} in {path}: not an {c.KIND}\n")
-                continue
-            if namespace and not (doc.get("metadata") or {}).get("namespace"):
-                doc = {**doc, "metadata": {**(doc.get("metadata") or {}), "namespace": namespace}}
-            try:
-                isvc = InferenceService.from_body(
-                    doc, default_image=default_image, router_image=router_image
-                )
-            except SpecError as e:
-                name = (doc.get("metadata") or {}).get("name", "?")
-                err.write(f"error: {path}: {c.KIND} {name}: invalid spec:\n")
-                for problem in e.problems:
-                    err.write(f"  - {problem}\n")
-                failed = True
-                continue
-            children.extend(builders.build_children(isvc))
+        documents += [(path, doc) for doc in docs if isinstance(doc, dict)]
+    pools = [doc for _, doc in documents if doc.get("kind") == c.POOL_KIND]
+    for path, doc in documents:
+        if doc.get("kind") == c.POOL_KIND:
+            continue
+        if doc.get("kind") != c.KIND:
+            err.write(f"skipping {doc.get('kind')!s} in {path}: not an {c.KIND}\n")
+            continue
+        if namespace and not (doc.get("metadata") or {}).get("namespace"):
+            doc = {**doc, "metadata": {**(doc.get("metadata") or {}), "namespace": namespace}}
+        name = (doc.get("metadata") or {}).get("name", "?")
+        try:
+            isvc = merge_for_render(doc, pools, default_image)
+        except SpecError as e:
+            err.write(f"error: {path}: {c.KIND} {name}: invalid spec:\n")
+            for problem in e.problems:
+                err.write(f"  - {problem}\n")
+            failed = True
+            continue
+        except PlacementError as e:
+            err.write(f"error: {path}: {c.KIND} {name}: {e.reason}: {e.message}\n")
+            failed = True
+            continue
+        children.extend(
+            builders.build_children(dataclasses.replace(isvc, router_image=router_image))
+        )
     if children:
         yaml.safe_dump_all(children, out, sort_keys=False, explicit_start=True)
     return 1 if failed else 0

@@ -13,6 +13,11 @@ KIND: Final = "InferenceService"
 PLURAL: Final = "inferenceservices"
 SINGULAR: Final = "inferenceservice"
 SHORT_NAMES: Final = ("bis",)
+# Cluster-scoped, written by cluster admins: where ranks run and how much each namespace may take.
+POOL_KIND: Final = "AcceleratorPool"
+POOL_PLURAL: Final = "acceleratorpools"
+POOL_SINGULAR: Final = "acceleratorpool"
+POOL_SHORT_NAMES: Final = ("bap",)
 
 # Server-side apply: one field manager for every child the operator owns.
 FIELD_MANAGER: Final = "berth-operator"
@@ -38,6 +43,10 @@ LABEL_ROLE: Final = f"{GROUP}/component"
 # On each per-rank Service (and so on its EndpointSlices, which copy the Service's labels): the
 # DP rank it fronts. `berth router` discovers the ranks by it.
 LABEL_DP_RANK: Final = f"{GROUP}/dp-rank"
+# On the rank StatefulSet and its pods: the AcceleratorPool the ranks run in, and how many of
+# its accelerators each rank claims (the operator's quota ledger reads both back).
+LABEL_POOL: Final = f"{GROUP}/pool"
+ANNOTATION_PER_RANK: Final = f"{GROUP}/accelerators-per-rank"
 # llm-d's endpoint picker reads this to pick the metric names of the engine (sglang:*).
 LABEL_ENGINE_TYPE: Final = "llm-d.ai/engine-type"
 ENGINE_TYPE: Final = "sglang"

@@ -22,10 +22,10 @@ from typing import Any
 import kopf
 
 from berth_operator import constants as c
-from berth_operator import settings
+from berth_operator import pools, settings
 from berth_operator.worker import Worker
 
-__all__ = ["settings"]  # imported for its @kopf.on.startup handler
+__all__ = ["pools", "settings"]  # imported for their handlers
 
 # Children and their pods, selected by the API server (settings.py) and checked again here.
 CHILD_FILTER = {c.LABEL_MANAGED_BY: c.MANAGED_BY, c.LABEL_ISVC: kopf.PRESENT}
@@ -41,14 +41,16 @@ def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
 async def close(memo: kopf.Memo, **_: Any) -> None:
     for worker in list(memo.workers.values()):
         await worker.stop()
+    await memo.pool_reporter.stop()
     await memo.kube.close()
 
 
 @kopf.on.event(c.GROUP, c.VERSION, c.PLURAL)
 async def inference_service(
-    type: str | None, body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, **_: Any
+    type: str | None, body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, **kwargs: Any
 ) -> None:
     """An InferenceService appeared, changed or went: its worker takes it from here."""
+    pools.bind(memo, kwargs)
     worker = _worker(memo, namespace, name)
     worker.seen_service(type, body)
     if worker.body is not None:
@@ -72,6 +74,15 @@ def listed(**_: Any) -> None:
     return None
 
 
+@kopf.on.event(c.GROUP, c.VERSION, c.POOL_PLURAL)
+@kopf.on.event("", "v1", "nodes")
+@kopf.on.event("", "v1", "namespaces")
+async def pool_inputs(memo: kopf.Memo, **kwargs: Any) -> None:
+    """A pool, a Node or a namespace changed: pools' status, and services placed by them."""
+    pools.bind(memo, kwargs)
+    pools.changed(memo)
+
+
 @kopf.on.event("apps", "v1", "statefulsets", labels=CHILD_FILTER)
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_FILTER)
 @kopf.on.event("v1", "services", labels=CHILD_FILTER)
@@ -88,6 +99,8 @@ async def child(
     **_: Any,
 ) -> None:
     """A child changed: its state feeds the status; a change by someone else is drift."""
+    if body.get("kind") == "StatefulSet":
+        pools.changed(memo)  # a claim on a pool may have moved (or left its pool)
     worker = _worker_of(memo, namespace, labels, type)
     if worker is not None:
         worker.seen_child(type, body)
@@ -121,6 +134,7 @@ def _worker(memo: kopf.Memo, namespace: str, name: str) -> Worker:
             router_image=memo.router_image,
             observe_interval=memo.observe_interval,
             registry=memo.workers,
+            pools=memo.pools,
         )
     return memo.workers[key]
 

@@ -74,6 +74,7 @@ INGRESS = ResourceType("networking.k8s.io", "v1", "ingresses", "Ingress")
 SERVICE_ACCOUNT = ResourceType("", "v1", "serviceaccounts", "ServiceAccount")
 ROLE_BINDING = ResourceType("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding")
 INFERENCESERVICE = ResourceType(c.GROUP, c.VERSION, c.PLURAL, c.KIND)
+ACCELERATORPOOL = ResourceType(c.GROUP, c.VERSION, c.POOL_PLURAL, c.POOL_KIND, namespaced=False)
 
 # The kinds the builders may emit; the operator watches each of them (drift repair, status).
 CHILD_TYPES = (
@@ -199,14 +200,18 @@ class Kube:
         return True
 
     async def patch_status(
-        self, namespace: str, name: str, patch: Mapping[str, Any]
+        self,
+        namespace: str | None,
+        name: str,
+        patch: Mapping[str, Any],
+        rtype: ResourceType = INFERENCESERVICE,
     ) -> dict[str, Any]:
-        """Merge-patch the InferenceService's status subresource (never its spec); returns the
-        InferenceService as stored afterwards."""
+        """Merge-patch the status subresource (never the spec) of an InferenceService (or of
+        another of our kinds); returns the object as stored afterwards."""
         return await call(
             self.client,
             "PATCH",
-            INFERENCESERVICE.path(namespace, name, "status"),
+            rtype.path(namespace, name, "status"),
             query=[("fieldManager", c.FIELD_MANAGER)],
             body={"status": dict(patch)},
             content_type=MERGE_CONTENT_TYPE,

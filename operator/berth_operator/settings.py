@@ -9,6 +9,7 @@ from typing import Any
 import kopf
 
 from berth_operator import constants as c
+from berth_operator import pools
 from berth_operator.k8s import Kube
 
 # Every kind the operator watches besides InferenceServices: its children and their pods.
@@ -21,6 +22,13 @@ CHILD_RESOURCES = (
     ("", "v1", "serviceaccounts"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
     ("", "v1", "pods"),
+)
+
+# What pools are placed and reported from (all read, none written but the pools' status).
+POOL_INPUTS = (
+    (c.GROUP, c.VERSION, c.POOL_PLURAL),
+    ("", "v1", "nodes"),
+    ("", "v1", "namespaces"),
 )
 
 
@@ -38,6 +46,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     if getattr(memo, "observe_interval", None) is None:
         memo.observe_interval = c.OBSERVE_INTERVAL_SECONDS
     memo.workers = {}
+    pools.set_up(memo)
 
 
 def apply_settings(settings: kopf.OperatorSettings) -> None:

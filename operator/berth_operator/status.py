@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from berth_operator import constants as c
 from berth_operator import naming
 from berth_operator.plan import RankPlan
+from berth_operator.quota import Grant
 from berth_operator.spec import InferenceService
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ RETIRED_TYPES = ("Progressing",)
 INVALID_SPEC = "InvalidSpec"  # the spec, or a child built from it, is invalid: fix the spec
 FORBIDDEN = "Forbidden"  # RBAC, a quota or an admission webhook refused a child
 NAME_CONFLICT = "NameConflict"  # a child's name is taken by an object this service does not own
+QUOTA_EXCEEDED = "QuotaExceeded"  # a pool's limits grant fewer ranks than wanted
 APPLY_FAILED = "ApplyFailed"  # the API server failed or did not answer: retried with backoff
 
 # Container states that will not fix themselves: a crash loop, a bad image, a missing Secret.
@@ -226,20 +228,24 @@ def compute(
     plan: RankPlan | None = None,
     live: Live | None = None,
     missing: Sequence[str] = (),
+    grant: Grant | None = None,
 ) -> dict[str, Any]:
     """The whole status of a valid InferenceService whose children are `observed`.
 
     `plan` is what was applied (the spec's ranks unless the autoscaler or the health checks
     changed them); `live` is what the ranks' metrics said at the last scrape (None: no scrape
     yet, and the live fields are left as they are); `missing` names the children that should
-    exist and do not (deleted behind the operator's back: being restored). A field whose value
-    is None is one to remove (`publish` sends it as null in the merge patch).
+    exist and do not (deleted behind the operator's back: being restored); `grant` is the
+    placement in an AcceleratorPool, when the spec lists pools. A field whose value is None is
+    one to remove (`publish` sends it as null in the merge patch).
     """
     previous = previous or {}
     old_conditions = previous.get("conditions") or []
     spec = isvc.spec
     plan = plan or RankPlan.of(isvc)
     desired = live.desired if live is not None else plan.pods
+    if grant is not None and grant.short:
+        desired = max(desired, grant.wanted)  # what is wanted, not what the quota allows
     ranks = rollout(observed.statefulset, plan.pods)
     router = (
         rollout(observed.router, router_replicas(isvc, observed.router))
@@ -275,6 +281,9 @@ def compute(
         ready = cond(READY, False, reason, summary)
     elif router is not None and not router.complete:
         ready = cond(READY, False, "RouterNotReady", summary)
+    elif grant is not None and grant.short:
+        # Every granted rank serves; the rest wait for room in the pool.
+        ready = cond(READY, plan.pods > 0, QUOTA_EXCEEDED, f"{summary}; {grant.limit}")
     elif plan.pods == 0:
         # Reconciled to what was asked for (kstatus: Current); Argo CD shows it Suspended.
         ready = cond(READY, True, "ScaledToZero", "spec.replicas is 0: no rank serves requests")
@@ -329,6 +338,10 @@ def compute(
         "routerReadyReplicas": router.ready if router else 0,
         "selector": naming.label_selector(naming.selector_labels(isvc.name, c.ROLE_RANK)),
     }
+    if grant is not None:
+        status["pool"] = grant.pool
+    elif previous.get("pool"):
+        status["pool"] = None  # no pools listed any more
     if live is not None:
         status.update(
             queuedRequests=live.queued,
@@ -337,7 +350,12 @@ def compute(
             ranks=_rank_entries(live.ranks, previous.get("ranks"), now),
         )
         # None deletes it (merge patch): no autoscaler, no decision to show.
-        status["autoscaler"] = dict(live.autoscaler) if live.autoscaler is not None else None
+        autoscaler = dict(live.autoscaler) if live.autoscaler is not None else None
+        if autoscaler is not None and grant is not None and grant.short:
+            autoscaler.update(
+                reason=QUOTA_EXCEEDED, message=f"held at {grant.ranks} ranks: {grant.limit}"
+            )
+        status["autoscaler"] = autoscaler
     if generation is not None:
         status["observedGeneration"] = generation
     return status

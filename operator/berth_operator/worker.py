@@ -37,11 +37,13 @@ from typing import Any
 import httpx
 import kopf
 
-from berth_operator import builders, children, k8s, metrics, naming, scrape, status
+from berth_operator import builders, children, k8s, metrics, naming, pool_placement, scrape, status
 from berth_operator import constants as c
 from berth_operator.children import ApplyFailure, ChildKey
 from berth_operator.observer import Event, RankObserver
 from berth_operator.plan import RankPlan
+from berth_operator.pool_placement import PlacementError, PoolView
+from berth_operator.quota import Grant, Ledger
 from berth_operator.spec import InferenceService, SpecError
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,7 @@ RETRY_MAX_SECONDS = 60.0
 BLOCKED_MIN_SECONDS = 5.0
 BLOCKED_MAX_SECONDS = 300.0
 MAX_AT_ONCE = 3
+QUOTA_EXCEEDED = status.QUOTA_EXCEEDED
 ERROR_PAUSE_SECONDS = 5.0
 
 
@@ -61,6 +64,14 @@ class Failure:
     error: ApplyFailure
     generation: int | None
     retry_at: float
+
+
+@dataclass(frozen=True)
+class Pools:
+    """What placing services in AcceleratorPools needs: the cluster as watched, the ledger."""
+
+    view: PoolView
+    ledger: Ledger
 
 
 @dataclass
@@ -94,6 +105,9 @@ class Worker:
     task: asyncio.Task[None] | None = None
     # The operator's workers by (namespace, name): an idle worker removes itself when it ends.
     registry: dict[tuple[str, str], Worker] | None = None
+    pools: Pools | None = None
+    uses_pools: bool = False  # the spec lists pools: woken when pools, Nodes or claims change
+    grant: Grant | None = None  # the last placement's quota decision
 
     # --- fed by the handlers -----------------------------------------------------------------
 
@@ -190,6 +204,8 @@ class Worker:
                     await self._sleep()
         finally:
             metrics.forget(self.namespace, self.name)
+            if self.pools is not None and self.body is None:
+                self.pools.ledger.release((self.namespace, self.name))
             if self.task is asyncio.current_task():
                 self.task = None
             key = (self.namespace, self.name)
@@ -220,6 +236,8 @@ class Worker:
             )
         except SpecError as e:
             self.next_scrape = time.monotonic() + self.observe_interval  # nothing to scrape
+            if self.pools is not None:
+                self.pools.ledger.stop_waiting((self.namespace, self.name))
             failure = self.failure
             if failure is None or failure.generation != generation:
                 error = ApplyFailure(status.INVALID_SPEC, f"Invalid spec: {e}", retrying=False)
@@ -230,12 +248,63 @@ class Worker:
             self.next_scrape = now + self.observe_interval
             await self._observe(isvc, client)
         plan = self.observer.plan(isvc)
+        self.uses_pools = bool(isvc.spec.pools)
+        if self.uses_pools:
+            placed = await self._place(body, isvc, plan, generation)
+            if placed is None:
+                return  # refused: its status says why; running children stay as they are
+            isvc, plan = placed
+        elif self.pools is not None and self.grant is not None:
+            self.pools.ledger.release((self.namespace, self.name))
+            self.grant = None
         if self._apply_due(generation, plan, time.monotonic()):
             await self._reconcile(isvc, plan, generation)
         failure = self.failure
         if failure is not None and failure.generation == generation:
             return  # its status says why; running children stay as they are
         await self._refresh(isvc, plan)
+
+    async def _place(
+        self,
+        body: Mapping[str, Any],
+        isvc: InferenceService,
+        plan: RankPlan,
+        generation: int | None,
+    ) -> tuple[InferenceService, RankPlan] | None:
+        """The service placed in its first pool with room, and the plan cut to the ranks the
+        pool's limits grant; None (after reporting why) when no listed pool can take it."""
+        if self.pools is None:
+            raise RuntimeError("pools are not set up")  # the handlers always set them up
+        try:
+            placement = pool_placement.place(
+                body,
+                isvc,
+                self.pools.view,
+                self.pools.ledger,
+                plan.pods,
+                default_image=self.default_image,
+            )
+        except PlacementError as e:
+            failure = self.failure
+            if (
+                failure is None
+                or failure.generation != generation
+                or failure.error.message != e.message
+            ):
+                await self._fail(
+                    ApplyFailure(e.reason, e.message, retrying=False), generation, body
+                )
+            return None
+        if self.failure is not None and self.failure.error.reason in pool_placement.REASONS:
+            self.failure = None  # a pool can take it now
+        before, self.grant = self.grant, placement.grant
+        grant = placement.grant
+        if grant.short and (before is None or before.ranks != grant.ranks or not before.short):
+            _post(body, "Warning", QUOTA_EXCEEDED, grant.limit or "")
+        if not grant.short:
+            return placement.isvc, plan
+        clamped = RankPlan(grant.ranks, frozenset(r for r in plan.withdrawn if r < grant.ranks))
+        return placement.isvc, clamped
 
     def _apply_due(self, generation: int | None, plan: RankPlan, now: float) -> bool:
         failure = self.failure
@@ -406,6 +475,7 @@ class Worker:
             plan=plan,
             live=live,
             missing=[children.describe(k) for k in sorted(self.deleted & self.wanted)],
+            grant=self.grant if self.uses_pools else None,
         )
         await self._publish(current, new)
         if live is not None:

@@ -44,10 +44,17 @@ HF_DOWNLOAD_EXCLUDES = ("original/*", "*.pth", "*.pt", "*.bin", "*.msgpack", "*.
 def build_rank_statefulset(isvc: InferenceService, plan: RankPlan | None = None) -> Manifest:
     """One pod per DP rank; the ordinal is the rank, and a rank never surges onto a second GPU."""
     plan = plan or RankPlan.of(isvc)
+    meta = metadata(isvc, rank_statefulset_name(isvc.name), c.ROLE_RANK)
+    pod_labels = {**labels(isvc.name, c.ROLE_RANK), c.LABEL_ENGINE_TYPE: c.ENGINE_TYPE}
+    if isvc.pool is not None:
+        # The quota ledger reads the claim back from these (quota.py), after a restart too.
+        meta["labels"][c.LABEL_POOL] = isvc.pool
+        meta["annotations"] = {c.ANNOTATION_PER_RANK: str(isvc.per_rank)}
+        pod_labels[c.LABEL_POOL] = isvc.pool
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": metadata(isvc, rank_statefulset_name(isvc.name), c.ROLE_RANK),
+        "metadata": meta,
         "spec": {
             "serviceName": headless_service_name(isvc.name),
             "replicas": plan.pods,
@@ -57,10 +64,7 @@ def build_rank_statefulset(isvc: InferenceService, plan: RankPlan | None = None)
             "selector": {"matchLabels": selector_labels(isvc.name, c.ROLE_RANK)},
             "template": {
                 "metadata": {
-                    "labels": {
-                        **labels(isvc.name, c.ROLE_RANK),
-                        c.LABEL_ENGINE_TYPE: c.ENGINE_TYPE,
-                    },
+                    "labels": pod_labels,
                     "annotations": {
                         "kubectl.kubernetes.io/default-container": "runtime",
                         "prometheus.io/scrape": "true",

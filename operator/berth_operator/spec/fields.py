@@ -414,8 +414,8 @@ def boolean(description: str, default: bool | None = None, *, schema_default: bo
     return _field(Boolean(description), default, schema_default=schema_default)
 
 
-def quantity(description: str, default: str | None = None) -> Any:
-    return _field(Quantity(description), default)
+def quantity(description: str, default: str | None = None, *, schema_default: bool = True) -> Any:
+    return _field(Quantity(description), default, schema_default=schema_default)
 
 
 def string_map(description: str) -> Any:

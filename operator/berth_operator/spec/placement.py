@@ -10,6 +10,7 @@ from berth_operator.spec.fields import (
     array,
     enum,
     integer,
+    optional,
     pass_through,
     quantity,
     spec_object,
@@ -17,6 +18,7 @@ from berth_operator.spec.fields import (
     string_map,
 )
 from berth_operator.spec.formats import DNS1123_SUBDOMAIN, EXTENDED_RESOURCE
+from berth_operator.spec.runtime import RuntimeArgs
 
 TOLERATION_OPERATORS = ("Exists", "Equal")
 TOLERATION_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
@@ -43,7 +45,10 @@ class ResourcesSpec:
     cpu_limit: str | None = quantity("CPU limit per rank (default none, so ranks may burst).")
     memory_limit: str | None = quantity("Memory limit per rank (default the memory request).")
     shared_memory: str = quantity(
-        "Size of /dev/shm (a memory-backed emptyDir) for the runtime's processes.", "1Gi"
+        "Size of /dev/shm (a memory-backed emptyDir) for the runtime's processes (default 1Gi, "
+        "or the pool's).",
+        "1Gi",
+        schema_default=False,  # unset, a pool's default applies
     )
 
 
@@ -141,3 +146,24 @@ class SchedulingSpec:
         operator_pattern=DNS1123_SUBDOMAIN,
         what="a RuntimeClass name",
     )
+
+
+@spec_object(
+    "An AcceleratorPool the ranks may run in, and what changes there. Ranks go to the first pool "
+    "in the list that this namespace may use and that has room under its limits."
+)
+@dataclass(frozen=True)
+class PoolRef:
+    name: str = string(
+        "The AcceleratorPool's name.",
+        required=True,
+        max_length=253,
+        pattern=DNS1123_SUBDOMAIN,
+        what="an AcceleratorPool name",
+    )
+    accelerators_per_rank: int | None = integer(
+        "Accelerators per rank in this pool (default the pool's accelerator.perRank).",
+        minimum=1,
+        maximum=64,
+    )
+    args: RuntimeArgs | None = optional(RuntimeArgs)

@@ -20,8 +20,10 @@ from typing import Any
 
 from berth_operator import constants
 from berth_operator.spec.fields import (
+    Object,
     Report,
     Rule,
+    array,
     integer,
     obj,
     optional,
@@ -30,7 +32,7 @@ from berth_operator.spec.fields import (
 )
 from berth_operator.spec.formats import DNS1035_LABEL
 from berth_operator.spec.model import ModelSpec
-from berth_operator.spec.placement import Parallelism, ResourcesSpec, SchedulingSpec
+from berth_operator.spec.placement import Parallelism, PoolRef, ResourcesSpec, SchedulingSpec
 from berth_operator.spec.routing import IngressSpec, RoutingSpec
 from berth_operator.spec.runtime import RuntimeSpec
 from berth_operator.spec.scaling import MAX_REPLICAS, AutoscalingSpec, HealthSpec
@@ -74,8 +76,15 @@ class SpecError(ValueError):
         Rule(
             "!has(self.runtime) || !has(self.runtime.args) || !has(self.runtime.args.device) "
             "|| self.runtime.args.device != 'cuda' "
-            "|| (has(self.resources) && self.resources.gpus > 0)",
-            "runtime.args.device cuda needs resources.gpus of at least 1",
+            "|| (has(self.resources) && self.resources.gpus > 0) "
+            "|| (has(self.pools) && size(self.pools) > 0)",
+            "runtime.args.device cuda needs resources.gpus of at least 1 (or pools)",
+        ),
+        Rule(
+            "!has(self.pools) || size(self.pools) == 0 || !has(self.resources) "
+            "|| !has(self.resources.gpus) || self.resources.gpus == 0",
+            "with pools, each pool decides the accelerators: leave resources.gpus unset and use "
+            "pools[].acceleratorsPerRank",
         ),
     ),
 )
@@ -103,6 +112,15 @@ class InferenceServiceSpec:
         AdminApiKeySecretRef, json="adminApiKeySecretRef"
     )
     scheduling: SchedulingSpec = obj(SchedulingSpec)
+    pools: tuple[PoolRef, ...] = array(
+        "AcceleratorPools to run the ranks in, in order of preference (e.g. H100 x1, else L4 "
+        "x2): the first that this namespace may use and that has room takes the ranks. A pool "
+        "sets the accelerator, placement and defaults; what this spec sets wins unless the pool "
+        "locks it.",
+        Object(PoolRef),
+        max_items=8,
+        map_keys=("name",),
+    )
 
     @property
     def ranks(self) -> int:
@@ -129,7 +147,13 @@ class InferenceServiceSpec:
                 f"{gpus} GPUs cannot hold parallelism.tensor={tensor}; "
                 "request at least as many GPUs as tensor-parallel ranks",
             )
-        if self.runtime.args.device == "cuda" and gpus == 0:
+        if self.pools and gpus:
+            report(
+                "resources.gpus",
+                "with pools, each pool decides the accelerators: leave it unset and use "
+                "pools[].acceleratorsPerRank",
+            )
+        if self.runtime.args.device == "cuda" and gpus == 0 and not self.pools:
             report(
                 "runtime.args.device",
                 "cuda needs GPUs: set resources.gpus to at least 1, or use device auto or cpu",
@@ -163,6 +187,10 @@ class InferenceService:
     uid: str | None = None
     generation: int | None = None
     router_image: str = constants.DEFAULT_ROUTER_IMAGE
+    # Set once placed in an AcceleratorPool (pool_placement.place): its name, and what each
+    # rank claims of it.
+    pool: str | None = None
+    per_rank: int | None = None
 
     @classmethod
     def from_body(

@@ -114,3 +114,4 @@ class InferenceServiceStatus:
     )
     autoscaler: AutoscalerStatus | None = optional(AutoscalerStatus)
     selector: str | None = string("Label selector of the rank pods (for the scale subresource).")
+    pool: str | None = string("The AcceleratorPool the ranks run in (when spec.pools is set).")

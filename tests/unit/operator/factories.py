@@ -260,8 +260,10 @@ def check_list_map_keys(schema: dict[str, Any], value: Any, path: str = "") -> N
 CEL = celpy.Environment()
 
 
-def cel_failures(body: dict[str, Any]) -> list[str]:
-    """Evaluate every x-kubernetes-validations rule on the (defaulted) object, like admission."""
+def cel_failures(body: dict[str, Any], schema: dict[str, Any] | None = None) -> list[str]:
+    """Evaluate every x-kubernetes-validations rule on the (defaulted) object, like admission
+    (of the InferenceService CRD unless another `schema` is given)."""
+    schema = SCHEMA if schema is None else schema
     failures: list[str] = []
 
     def visit(schema: dict[str, Any], value: Any) -> None:
@@ -278,8 +280,16 @@ def cel_failures(body: dict[str, Any]) -> list[str]:
             for item in value:
                 visit(schema["items"], item)
 
-    visit(SCHEMA, apply_schema_defaults(SCHEMA, body))
+    visit(schema, apply_schema_defaults(schema, body))
     return failures
+
+
+def validation_errors(schema: dict[str, Any], body: dict[str, Any]) -> list[str]:
+    """What the API server would refuse of `body` under `schema`: the structural schema with
+    unknown fields refused (kubectl's strict field validation), and the CEL rules."""
+    defaulted = apply_schema_defaults(schema, body)
+    errors = [e.message for e in jsonschema.Draft4Validator(closed(schema)).iter_errors(defaulted)]
+    return errors + cel_failures(body, schema)
 
 
 def role_rules() -> set[tuple[str, str, str]]:

@@ -79,11 +79,14 @@ def test_every_yaml_file_is_part_of_a_kustomization() -> None:
 def test_install_contains_namespace_crd_rbac_and_operator(install: list[dict[str, Any]]) -> None:
     kinds = sorted((d["kind"], d["metadata"]["name"]) for d in install)
     assert kinds == [
+        ("ClusterRole", "berth-acceleratorpool-admin"),
+        ("ClusterRole", "berth-acceleratorpool-viewer"),
         ("ClusterRole", "berth-inferenceservice-editor"),
         ("ClusterRole", "berth-inferenceservice-viewer"),
         ("ClusterRole", "berth-operator"),
         ("ClusterRole", "berth-router"),
         ("ClusterRoleBinding", "berth-operator"),
+        ("CustomResourceDefinition", f"{c.POOL_PLURAL}.{c.GROUP}"),
         ("CustomResourceDefinition", f"{c.PLURAL}.{c.GROUP}"),
         ("Deployment", "berth-operator"),
         ("Namespace", "berth-system"),

@@ -9,7 +9,7 @@ from kopf._core.intents import registries
 
 import berth_operator.handlers  # noqa: F401  (registers the handlers)
 from berth_operator import constants as c
-from berth_operator.settings import CHILD_RESOURCES, apply_settings
+from berth_operator.settings import CHILD_RESOURCES, POOL_INPUTS, apply_settings
 
 
 def test_every_handler_only_watches_so_kopf_keeps_no_state_on_the_objects() -> None:
@@ -22,13 +22,13 @@ def test_every_handler_only_watches_so_kopf_keeps_no_state_on_the_objects() -> N
         (h.selector.group or "", h.selector.version, h.selector.any_name)
         for h in registry._watching.get_all_handlers()
     }
-    assert watched == {(c.GROUP, c.VERSION, c.PLURAL), *CHILD_RESOURCES}
-    # Indexed (to nothing): kopf starts no handler before these kinds are fully listed.
+    assert watched == {(c.GROUP, c.VERSION, c.PLURAL), *CHILD_RESOURCES, *POOL_INPUTS}
+    # Indexed: kopf starts no handler before these kinds are fully listed.
     indexed = {
         (h.selector.group or "", h.selector.version, h.selector.any_name)
         for h in registry._indexing.get_all_handlers()
     }
-    assert indexed == set(CHILD_RESOURCES)
+    assert indexed == {*CHILD_RESOURCES, *POOL_INPUTS}
 
 
 def test_events_for_what_matters_under_our_name() -> None:

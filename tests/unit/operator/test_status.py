@@ -14,6 +14,7 @@ import pytest
 from berth_operator import status
 from berth_operator.observer import RankObserver
 from berth_operator.plan import RankPlan
+from berth_operator.quota import Grant
 from berth_operator.scrape import RankSample
 from berth_operator.status import Live, Observed
 
@@ -792,3 +793,42 @@ def test_turning_autoscaling_off_removes_the_autoscaler_status() -> None:
     after = compute_live(live_of(autoscaler=None), previous=before, now=T10, spec=off)
     written = apply_merge_patch(before, status.merge_patch(before, after))
     assert "autoscaler" not in written
+
+
+def test_a_quota_held_service_serves_its_granted_ranks_and_the_autoscaler_says_why() -> None:
+    limit = "pool h100: limits.maxAccelerators is 2; 2 of 4 ranks fit (2 claimed)"
+    grant = Grant("h100", ranks=2, wanted=4, limit=limit)
+    live = Live(desired=4, autoscaler={"reason": "ScaleUp", "message": "queue 9/rank"})
+    result = status.compute(
+        parse({"replicas": 1, "autoscaling": {"enabled": True}, "pools": [{"name": "h100"}]}),
+        Observed(statefulset=sts(replicas=2, ready=2), router=deploy(replicas=1, ready=1)),
+        None,
+        generation=7,
+        now=NOW,
+        plan=RankPlan(2),
+        live=live,
+        grant=grant,
+    )
+    ready = conditions(result)["Ready"]
+    assert (ready["status"], ready["reason"]) == ("True", "QuotaExceeded")
+    assert ready["message"] == f"2/4 ranks ready; router 1/1 ready; {limit}"
+    assert (result["desiredReplicas"], result["readyRanks"], result["pool"]) == (4, "2/4", "h100")
+    assert result["autoscaler"] == {
+        "reason": "QuotaExceeded",
+        "message": f"held at 2 ranks: {limit}",
+    }
+    jsonschema.Draft4Validator(closed(SCHEMA["properties"]["status"])).validate(result)
+    # Nothing granted at all: not ready, same reason.
+    none = status.compute(
+        parse({"replicas": 1, "pools": [{"name": "h100"}]}),
+        Observed(statefulset=sts(replicas=0, ready=0), router=deploy(replicas=1, ready=1)),
+        None,
+        generation=7,
+        now=NOW,
+        plan=RankPlan(0),
+        grant=Grant("h100", ranks=0, wanted=1, limit=limit),
+    )
+    assert (conditions(none)["Ready"]["status"], conditions(none)["Ready"]["reason"]) == (
+        "False",
+        "QuotaExceeded",
+    )
