@@ -12,7 +12,8 @@ import yaml
 
 from berth_operator import builders
 from berth_operator import constants as c
-from berth_operator.pool_placement import PlacementError, merge_for_render
+from berth_operator.plan import RankPlan
+from berth_operator.pool_placement import PlacementError, place_for_render
 from berth_operator.spec import SpecError
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
@@ -185,7 +186,7 @@ def render(
             doc = {**doc, "metadata": {**(doc.get("metadata") or {}), "namespace": namespace}}
         name = (doc.get("metadata") or {}).get("name", "?")
         try:
-            isvc = merge_for_render(doc, pools, default_image)
+            isvc, placement = place_for_render(doc, pools, default_image)
         except SpecError as e:
             err.write(f"error: {path}: {c.KIND} {name}: invalid spec:\n")
             for problem in e.problems:
@@ -197,7 +198,18 @@ def render(
             failed = True
             continue
         children.extend(
-            builders.build_children(dataclasses.replace(isvc, router_image=router_image))
+            builders.build_children(
+                dataclasses.replace(isvc, router_image=router_image),
+                RankPlan(placement.grant.ranks) if placement else None,
+                [
+                    dataclasses.replace(
+                        r, isvc=dataclasses.replace(r.isvc, router_image=router_image)
+                    )
+                    for r in placement.rank_sets
+                ]
+                if placement
+                else (),
+            )
         )
     if children:
         yaml.safe_dump_all(children, out, sort_keys=False, explicit_start=True)

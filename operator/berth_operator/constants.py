@@ -47,6 +47,8 @@ LABEL_DP_RANK: Final = f"{GROUP}/dp-rank"
 # its accelerators each rank claims (the operator's quota ledger reads both back).
 LABEL_POOL: Final = f"{GROUP}/pool"
 ANNOTATION_PER_RANK: Final = f"{GROUP}/accelerators-per-rank"
+# On the pods (and in the selector) of a service's second and later rank sets, one per pool.
+LABEL_RANK_SET: Final = f"{GROUP}/rank-set"
 # llm-d's endpoint picker reads this to pick the metric names of the engine (sglang:*).
 LABEL_ENGINE_TYPE: Final = "llm-d.ai/engine-type"
 ENGINE_TYPE: Final = "sglang"

@@ -7,8 +7,10 @@ from berth_operator import constants as c
 from berth_operator.spec import InferenceService
 
 
-def rank_statefulset_name(name: str) -> str:
-    return name
+def rank_statefulset_name(name: str, rank_set: int = 0) -> str:
+    """The first rank set (the only one without pools) is named after the service; a service
+    spread over AcceleratorPools has one more per further pool: <name>-s1, <name>-s2, ..."""
+    return name if rank_set == 0 else f"{name}-s{rank_set}"
 
 
 def headless_service_name(name: str) -> str:

@@ -1,5 +1,5 @@
 """RankPlan: how many rank pods run and which of them take requests (the observer decides it,
-the builders carry it out)."""
+the builders carry it out); RankSet: one StatefulSet's share of them, in one AcceleratorPool."""
 
 from __future__ import annotations
 
@@ -30,6 +30,21 @@ class RankPlan:
     @property
     def routable(self) -> list[int]:
         return [rank for rank in range(self.pods) if rank not in self.withdrawn]
+
+
+@dataclass(frozen=True)
+class RankSet:
+    """Ranks `start` .. `start + count - 1`, one StatefulSet of them in one AcceleratorPool.
+
+    A service placed by pools runs one rank set per pool it uses, in rank order: the first pool
+    holds the lowest ranks. `isvc` is the service with that pool's settings merged in."""
+
+    isvc: InferenceService
+    pool: str
+    per_rank: int
+    index: int
+    start: int
+    count: int
 
 
 def rank_urls(isvc: InferenceService, plan: RankPlan | None = None) -> list[str]:

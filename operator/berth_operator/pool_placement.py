@@ -1,5 +1,5 @@
-"""Placing an InferenceService in its AcceleratorPools: pick the pool, merge the pool's settings
-into the spec, and grant ranks under the pool's limits (`quota.Ledger`).
+"""Placing an InferenceService's ranks in its AcceleratorPools: merge each pool's settings into
+the spec, and grant ranks under the pools' limits (`quota.Ledger`), pool by pool.
 
 The merge works on the spec as written (stored), so that "unset" means what the user left out:
 the pool's defaults fill those fields, the InferenceService's own values win, and a field the
@@ -7,9 +7,11 @@ pool locks must be left unset or equal the pool's value. The pool's placement (n
 node affinity, tolerations, priorityClassName) and accelerator always apply; the service's own
 scheduling is added to them (both must hold).
 
-Which pool: one where the service already has ranks stays its pool while it is listed (moving
-would restart every rank); otherwise the first listed pool with room for every wanted rank, else
-the one with the most room (the first of equals). Pools that do not exist, do not admit the
+Which pool: ranks go to the first listed pool with room, and the ranks it has no room for to the
+next, each pool holding one rank set (a StatefulSet) of consecutive ranks. Ranks that run stay
+where they are (moving one would restart it): fewer ranks are taken from the highest, in the
+last rank set; more ranks go to the last rank set while its pool has room, then to new rank sets
+in the listed pools not used yet, in order. Pools that do not exist, do not admit the
 namespace, conflict with the spec, or cannot fit one rank are skipped; when none is left the
 service is refused (`PlacementError`) and nothing is created.
 """
@@ -23,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from berth_operator.nodes import NodeView, largest_node, matching
-from berth_operator.quota import Grant, Ledger
+from berth_operator.plan import RankSet
+from berth_operator.quota import POOL_SCOPE, Claim, Grant, Ledger, Waiting
 from berth_operator.spec import InferenceService, SpecError
 from berth_operator.spec.pool import CPU_RESOURCE, AcceleratorPool
 
@@ -58,10 +61,13 @@ class PoolView:
 
 @dataclass(frozen=True)
 class Placement:
-    isvc: InferenceService  # with the pool's settings merged in
-    pool: AcceleratorPool
-    per_rank: int
+    rank_sets: tuple[RankSet, ...]  # in rank order; at least one
     grant: Grant
+
+    @property
+    def isvc(self) -> InferenceService:
+        """The service as placed in its first pool (what does not depend on the pool)."""
+        return self.rank_sets[0].isvc
 
 
 @dataclass(frozen=True)
@@ -80,44 +86,82 @@ def place(
     *,
     default_image: str | None = None,
 ) -> Placement:
-    """Choose the pool, reserve the ranks it has room for (at most `wanted`), and return the
-    merged service. Raises PlacementError when no listed pool can take it."""
+    """Decide and reserve the service's rank sets: at most `wanted` ranks, under every limit.
+    Raises PlacementError when no listed pool can take it."""
     key = (isvc.namespace, isvc.name)
     labels = view.namespace_labels(isvc.namespace)
     created = str((body.get("metadata") or {}).get("creationTimestamp") or "")
-    held = ledger.holds(key)
-    candidates, refusals = _candidates(body, isvc, view, labels, held, default_image)
+    holdings = ledger.holdings(key)
+    candidates, refusals = _candidates(body, isvc, view, labels, set(holdings), default_image)
     if not candidates:
         ledger.stop_waiting(key)
         reason = refusals[0][0] if refusals else POOL_NOT_FOUND
         raise PlacementError(
             reason, "no pool can take the ranks: " + "; ".join(m for _, m in refusals)
         )
-    chosen = next((c for c in candidates if c.pool.name in held), None)
-    if chosen is None:
-        rooms = [
-            (ledger.room(c.pool, key, labels, created, c.per_rank).ranks, c) for c in candidates
-        ]
-        chosen = next((c for room, c in rooms if room >= wanted), None)
-        if chosen is None:
-            most = max(room for room, _ in rooms)
-            chosen = next(c for room, c in rooms if room == most)
-    grant = ledger.grant(chosen.pool, key, labels, created, chosen.per_rank, wanted)
-    return Placement(chosen.isvc, chosen.pool, chosen.per_rank, grant)
+    by_name = {c.pool.name: c for c in candidates}
+    # What runs stays, in rank order, cut from the top when fewer ranks are wanted.
+    sets: list[list[Any]] = []  # [candidate, ranks]
+    remaining = wanted
+    for claim in sorted(holdings.values(), key=lambda claim: claim.start):
+        candidate = by_name.get(claim.pool)
+        if candidate is None:
+            continue  # no longer listed (or refused): its ranks go
+        take = min(remaining, claim.accelerators // candidate.per_rank)
+        if take > 0:
+            sets.append([candidate, take])
+            remaining -= take
+    # More ranks: the last rank set grows (ranks stay numbered in order), then new rank sets
+    # open in the listed pools it does not use yet, in order, each up to its room.
+    limits: list[str] = []
+    waiting: list[Waiting] = []
+    used = {entry[0].pool.name for entry in sets}
+    order = [sets[-1]] if sets else []
+    order += [[c, 0] for c in candidates if c.pool.name not in used]
+    for entry in order:
+        if remaining == 0:
+            break
+        candidate, have = entry
+        room = ledger.room(candidate.pool, key, labels, created, candidate.per_rank)
+        total = max(have, min(have + remaining, room.ranks))
+        if total < have + remaining:
+            limits.append(room.limit or "")
+            unmet = (have + remaining - total) * candidate.per_rank
+            waiting.append(Waiting(candidate.pool.name, created, unmet, room.scope or POOL_SCOPE))
+        remaining -= total - have
+        entry[1] = total
+        if have == 0 and total > 0:
+            sets.append(entry)
+    if not sets:
+        sets = [[candidates[0], 0]]  # nothing fits yet: an empty rank set in the first pool
+    rank_sets = []
+    start = 0
+    for index, (candidate, count) in enumerate(sets):
+        rank_sets.append(
+            RankSet(candidate.isvc, candidate.pool.name, candidate.per_rank, index, start, count)
+        )
+        start += count
+    claims = tuple(Claim(key[0], key[1], r.pool, r.count * r.per_rank, r.start) for r in rank_sets)
+    ledger.reserve(key, claims, tuple(waiting) if remaining else ())
+    granted = wanted - remaining
+    limit = None
+    if remaining:
+        limit = "; ".join(limits) + f"; {granted} of {wanted} ranks fit"
+    pools = tuple((r.pool, r.count) for r in rank_sets)
+    return Placement(tuple(rank_sets), Grant(pools, granted, wanted, limit))
 
 
-def merge_for_render(
+def place_for_render(
     body: Mapping[str, Any], pools: Sequence[Mapping[str, Any]], default_image: str | None
-) -> InferenceService:
-    """`berth operator render`: the service as placed in the first listed pool it may use, with
-    no cluster to ask (no Nodes, no claims, namespace labels unknown)."""
+) -> tuple[InferenceService, Placement | None]:
+    """`berth operator render`: the service, and its placement when it lists pools, with no
+    cluster to ask (no Nodes, no claims, namespace labels unknown)."""
     isvc = InferenceService.from_body(body, default_image=default_image)
     if not isvc.spec.pools:
-        return isvc
+        return isvc, None
     by_name = {(p.get("metadata") or {}).get("name"): p for p in pools}
     view = PoolView(lambda: by_name, lambda _: {}, lambda: ())
-    ledger = Ledger()
-    return place(body, isvc, view, ledger, isvc.spec.ranks, default_image=default_image).isvc
+    return isvc, place(body, isvc, view, Ledger(), isvc.spec.ranks, default_image=default_image)
 
 
 def _candidates(
@@ -177,10 +221,7 @@ def _candidates(
             refusals.append((POOL_CONFLICT, f"pool {ref.name}: the merged spec is invalid: {e}"))
             continue
         placed = dataclasses.replace(
-            placed,
-            spec=dataclasses.replace(placed.spec, pools=isvc.spec.pools),
-            pool=pool.name,
-            per_rank=per_rank,
+            placed, spec=dataclasses.replace(placed.spec, pools=isvc.spec.pools)
         )
         candidates.append(_Candidate(pool, per_rank, placed))
     return candidates, refusals

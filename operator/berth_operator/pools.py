@@ -47,15 +47,18 @@ def pool_claims(
     spec: kopf.Spec,
     **_: Any,
 ) -> dict[str, Claim]:
-    """What a rank StatefulSet claims: replicas x accelerators per rank, in its pool."""
+    """What a rank StatefulSet claims: replicas x accelerators per rank, in its pool, from its
+    first rank on."""
     try:
         per_rank = int(annotations.get(c.ANNOTATION_PER_RANK, "0"))
     except ValueError:
         per_rank = 0
     replicas = spec.get("replicas")
     replicas = 1 if replicas is None else int(replicas)
+    start = int((spec.get("ordinals") or {}).get("start") or 0)
     pool = labels[c.LABEL_POOL]
-    return {pool: Claim(namespace, labels.get(c.LABEL_ISVC, ""), pool, replicas * per_rank)}
+    service = labels.get(c.LABEL_ISVC, "")
+    return {pool: Claim(namespace, service, pool, replicas * per_rank, start)}
 
 
 def set_up(memo: kopf.Memo) -> None:

@@ -1,5 +1,6 @@
 """The quota ledger: what Berth ranks claim in each AcceleratorPool, and how many ranks a service
-may have there under every limit.
+may have there under every limit. A service may hold ranks in several pools (one rank set, one
+StatefulSet, in each); the ledger counts each pool on its own.
 
 Claims come from two places and the larger counts: the rank StatefulSets as the API server has
 them (`observed`, a live view of the operator's watch, which an operator restart rebuilds before
@@ -16,6 +17,7 @@ use room that the older ones waiting on the same limit cannot.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -33,6 +35,7 @@ class Claim:
     service: str
     pool: str
     accelerators: int
+    start: int = 0  # the first rank of the service's rank set in this pool
 
     @property
     def key(self) -> ServiceKey:
@@ -51,9 +54,10 @@ class Waiting:
 
 @dataclass(frozen=True)
 class Grant:
-    """How many ranks a service may run in a pool; `limit` names what held it back, if anything."""
+    """How many ranks a service may run, in which pools (in rank order); `limit` names what held
+    it back, if anything."""
 
-    pool: str
+    pools: tuple[tuple[str, int], ...]  # (pool, ranks)
     ranks: int
     wanted: int
     limit: str | None = None
@@ -73,24 +77,33 @@ class Room:
 @dataclass
 class Ledger:
     observed: Callable[[], Iterable[Claim]] = lambda: ()
-    reserved: dict[ServiceKey, Claim] = field(default_factory=dict)
-    waiting: dict[ServiceKey, Waiting] = field(default_factory=dict)
+    reserved: dict[ServiceKey, tuple[Claim, ...]] = field(default_factory=dict)
+    waiting: dict[ServiceKey, tuple[Waiting, ...]] = field(default_factory=dict)
+
+    def _all(self) -> list[Claim]:
+        return [*self.observed(), *(c for claims in self.reserved.values() for c in claims)]
 
     def claims(self, pool: str) -> dict[ServiceKey, int]:
         """Accelerators each service holds in `pool`: the larger of seen and decided."""
         result: dict[ServiceKey, int] = {}
-        for claim in (*self.observed(), *self.reserved.values()):
+        for claim in self._all():
             if claim.pool == pool:
                 result[claim.key] = max(result.get(claim.key, 0), claim.accelerators)
         return result
 
-    def holds(self, key: ServiceKey) -> set[str]:
-        """The pools where the service holds accelerators now."""
-        return {
-            claim.pool
-            for claim in (*self.observed(), *self.reserved.values())
-            if claim.key == key and claim.accelerators > 0
-        }
+    def holdings(self, key: ServiceKey) -> dict[str, Claim]:
+        """The service's claim in each pool where it holds accelerators now: the larger of seen
+        and decided, at the first rank decided last."""
+        result = {claim.pool: claim for claim in self.reserved.get(key, ())}
+        for claim in self.observed():
+            mine = result.get(claim.pool)
+            if claim.key != key:
+                continue
+            if mine is None:
+                result[claim.pool] = claim
+            elif claim.accelerators > mine.accelerators:
+                result[claim.pool] = dataclasses.replace(claim, start=mine.start)
+        return {pool: claim for pool, claim in result.items() if claim.accelerators > 0}
 
     def room(
         self,
@@ -136,27 +149,15 @@ class Ledger:
         binding = [(scope, text) for ranks, scope, text in rooms if ranks == least]
         return Room(least, "; ".join(text for _, text in binding), binding[0][0])
 
-    def grant(
-        self,
-        pool: AcceleratorPool,
-        key: ServiceKey,
-        namespace_labels: Mapping[str, str],
-        created: str,
-        per_rank: int,
-        wanted: int,
-    ) -> Grant:
-        """Decide and reserve the service's ranks in `pool` (releasing any other pool's)."""
-        held = self.claims(pool.name).get(key, 0) // per_rank
-        room = self.room(pool, key, namespace_labels, created, per_rank)
-        ranks = min(wanted, max(room.ranks, held))
-        self.reserved[key] = Claim(key[0], key[1], pool.name, ranks * per_rank)
-        if ranks < wanted:
-            unmet = (wanted - ranks) * per_rank
-            self.waiting[key] = Waiting(pool.name, created, unmet, room.scope or POOL_SCOPE)
-            limit = f"{room.limit}; {ranks} of {wanted} ranks fit ({ranks * per_rank} claimed)"
-            return Grant(pool.name, ranks, wanted, limit)
-        self.waiting.pop(key, None)
-        return Grant(pool.name, ranks, wanted)
+    def reserve(
+        self, key: ServiceKey, claims: tuple[Claim, ...], waiting: tuple[Waiting, ...]
+    ) -> None:
+        """Record the service's decided claims (every pool it runs in) and what it waits for."""
+        self.reserved[key] = claims
+        if waiting:
+            self.waiting[key] = waiting
+        else:
+            self.waiting.pop(key, None)
 
     def stop_waiting(self, key: ServiceKey) -> None:
         """The service wants nothing more for now (refused, or its spec invalid)."""
@@ -170,9 +171,10 @@ class Ledger:
     def _older_waiting(self, pool: str, key: ServiceKey, created: str, scope: str) -> int:
         return sum(
             waiting.unmet
-            for other, waiting in self.waiting.items()
+            for other, entries in self.waiting.items()
             if other != key
-            and waiting.pool == pool
+            for waiting in entries
+            if waiting.pool == pool
             and waiting.scope == scope
             and (waiting.created, other) < (created, key)
         )

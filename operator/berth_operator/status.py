@@ -66,6 +66,9 @@ class Observed:
     router: Mapping[str, Any] | None = None
     ingress: Mapping[str, Any] | None = None
     pods: Sequence[Mapping[str, Any]] = field(default_factory=tuple)
+    # A service placed by pools: each rank set's StatefulSet (the first is `statefulset`) and
+    # how many ranks it should run.
+    rank_sets: Sequence[tuple[Mapping[str, Any] | None, int]] = ()
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,18 @@ def rollout(workload: Mapping[str, Any] | None, desired: int) -> Rollout:
         updated=int(status.get("updatedReplicas") or 0),
         observed=observed,
         revision_settled=settled,
+    )
+
+
+def combined(rollouts: Sequence[Rollout]) -> Rollout:
+    """Several StatefulSets of one service's ranks (one per pool) as one."""
+    return Rollout(
+        desired=sum(r.desired for r in rollouts),
+        current=sum(r.current for r in rollouts),
+        ready=sum(r.ready for r in rollouts),
+        updated=sum(r.updated for r in rollouts),
+        observed=all(r.observed for r in rollouts),
+        revision_settled=all(r.revision_settled for r in rollouts),
     )
 
 
@@ -246,7 +261,10 @@ def compute(
     desired = live.desired if live is not None else plan.pods
     if grant is not None and grant.short:
         desired = max(desired, grant.wanted)  # what is wanted, not what the quota allows
-    ranks = rollout(observed.statefulset, plan.pods)
+    if observed.rank_sets:
+        ranks = combined([rollout(sts, count) for sts, count in observed.rank_sets])
+    else:
+        ranks = rollout(observed.statefulset, plan.pods)
     router = (
         rollout(observed.router, router_replicas(isvc, observed.router))
         if spec.has_router
@@ -339,9 +357,9 @@ def compute(
         "selector": naming.label_selector(naming.selector_labels(isvc.name, c.ROLE_RANK)),
     }
     if grant is not None:
-        status["pool"] = grant.pool
-    elif previous.get("pool"):
-        status["pool"] = None  # no pools listed any more
+        status["pools"] = [{"pool": pool, "ranks": ranks} for pool, ranks in grant.pools]
+    elif previous.get("pools"):
+        status["pools"] = None  # no pools listed any more
     if live is not None:
         status.update(
             queuedRequests=live.queued,

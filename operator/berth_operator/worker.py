@@ -41,7 +41,7 @@ from berth_operator import builders, children, k8s, metrics, naming, pool_placem
 from berth_operator import constants as c
 from berth_operator.children import ApplyFailure, ChildKey
 from berth_operator.observer import Event, RankObserver
-from berth_operator.plan import RankPlan
+from berth_operator.plan import RankPlan, RankSet
 from berth_operator.pool_placement import PlacementError, PoolView
 from berth_operator.quota import Grant, Ledger
 from berth_operator.spec import InferenceService, SpecError
@@ -108,6 +108,7 @@ class Worker:
     pools: Pools | None = None
     uses_pools: bool = False  # the spec lists pools: woken when pools, Nodes or claims change
     grant: Grant | None = None  # the last placement's quota decision
+    rank_sets: tuple[RankSet, ...] = ()  # ... and where its ranks run (pools only)
 
     # --- fed by the handlers -----------------------------------------------------------------
 
@@ -256,7 +257,7 @@ class Worker:
             isvc, plan = placed
         elif self.pools is not None and self.grant is not None:
             self.pools.ledger.release((self.namespace, self.name))
-            self.grant = None
+            self.grant, self.rank_sets = None, ()
         if self._apply_due(generation, plan, time.monotonic()):
             await self._reconcile(isvc, plan, generation)
         failure = self.failure
@@ -298,6 +299,7 @@ class Worker:
         if self.failure is not None and self.failure.error.reason in pool_placement.REASONS:
             self.failure = None  # a pool can take it now
         before, self.grant = self.grant, placement.grant
+        self.rank_sets = placement.rank_sets
         grant = placement.grant
         if grant.short and (before is None or before.ranks != grant.ranks or not before.short):
             _post(body, "Warning", QUOTA_EXCEEDED, grant.limit or "")
@@ -323,7 +325,7 @@ class Worker:
         self, isvc: InferenceService, plan: RankPlan, generation: int | None
     ) -> None:
         first = generation != self.applied_generation
-        built = builders.build_children(isvc, plan)
+        built = builders.build_children(isvc, plan, self.rank_sets if self.uses_pools else ())
         self.wanted = {children.child_key(child) for child in built}
         self.drift = False
         gone = set(self.deleted)  # (watch events keep coming in while the children are applied)
@@ -456,6 +458,15 @@ class Worker:
         spec = isvc.spec
         observed = status.Observed(
             statefulset=self.children.get(("StatefulSet", naming.rank_statefulset_name(name))),
+            rank_sets=[
+                (
+                    self.children.get(("StatefulSet", naming.rank_statefulset_name(name, r.index))),
+                    r.count,
+                )
+                for r in self.rank_sets
+            ]
+            if self.uses_pools
+            else [],
             router=(
                 self.children.get(("Deployment", naming.router_name(name)))
                 if spec.has_router

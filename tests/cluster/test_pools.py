@@ -74,7 +74,18 @@ def gpu_nodes(installed: ControlPlane) -> Iterator[dict[str, tuple[str, int]]]:
 
     eventually(ready, what="the GPU nodes to be Ready")
     yield NODES
-    installed.kubectl("delete", "node", *NODES, "--wait=false", check=False)
+
+    # As an admin retires nodes: drained first (the tests' namespaces are going, and kwok ends
+    # their pods while it still has the nodes), then deleted, so that no pod is left bound to a
+    # node that is gone for the controllers to chase in the tests that follow.
+    def drained() -> bool:
+        pods = json.loads(installed.kubectl("get", "pods", "-A", "-o", "json").stdout)["items"]
+        left = [p["metadata"]["name"] for p in pods if p["spec"].get("nodeName") in NODES]
+        assert left == [], left
+        return True
+
+    eventually(drained, timeout=60, what="the pods on the GPU nodes to end")
+    installed.kubectl("delete", "node", *NODES, check=False)
 
 
 def pool(name: str, kind: str, **spec: Any) -> dict[str, Any]:
@@ -151,7 +162,7 @@ def test_a_pool_reports_its_capacity_and_what_ranks_claim(
     assert condition({"status": found}, "NodesAvailable")["status"] == "True"
     apply(plane, ns, isvc("chat", {"pools": [{"name": h100}], "replicas": 2}))
     body = wait_ready(plane, ns, "chat")
-    assert body["status"]["pool"] == h100
+    assert body["status"]["pools"] == [{"pool": h100, "ranks": 2}]
     assert set(nodes_of(plane, ns, "chat")) <= {"bt-h100-0", "bt-h100-1"}
     for pod in pods(plane, ns, rank_selector("chat")):
         assert pod["spec"]["containers"][0]["resources"]["limits"][GPU] == "1"
@@ -211,12 +222,63 @@ def test_ranks_go_to_the_first_pool_with_room_and_else_to_the_next(
     )
     pools = [{"name": h100}, {"name": l4}]
     apply(plane, ns, isvc("first", {"pools": pools, "replicas": 2}))
-    assert wait_ready(plane, ns, "first")["status"]["pool"] == h100
+    assert wait_ready(plane, ns, "first")["status"]["pools"] == [{"pool": h100, "ranks": 2}]
     apply(plane, ns, isvc("second", {"pools": pools, "replicas": 2}))
-    assert wait_ready(plane, ns, "second")["status"]["pool"] == l4
+    assert wait_ready(plane, ns, "second")["status"]["pools"] == [{"pool": l4, "ranks": 2}]
     assert nodes_of(plane, ns, "second") == ["bt-l4-0", "bt-l4-0"]
     limits = pods(plane, ns, rank_selector("second"))[0]["spec"]["containers"][0]["resources"]
     assert limits["limits"][GPU] == "2"
+
+
+def test_ranks_the_first_pool_has_no_room_for_run_in_the_next_as_the_next_ranks(
+    installed: ControlPlane, serving_namespace: str, gpu_nodes: Any, pool_names: Any
+) -> None:
+    plane, ns = installed, serving_namespace
+    h100, l4 = pool_names("h100"), pool_names("l4")
+    apply_pools(
+        plane,
+        pool(h100, "h100", limits={"maxAccelerators": 2}),
+        pool(l4, "l4", accelerator={"resource": GPU, "perRank": 2}),
+    )
+    apply(plane, ns, isvc("spread", {"pools": [{"name": h100}, {"name": l4}], "replicas": 3}))
+    body = wait_ready(plane, ns, "spread")
+    assert body["status"]["pools"] == [{"pool": h100, "ranks": 2}, {"pool": l4, "ranks": 1}]
+    assert body["status"]["readyRanks"] == "3/3"
+    by_rank = {
+        int(p["metadata"]["labels"][c.POD_INDEX_LABEL]): p
+        for p in pods(plane, ns, rank_selector("spread"))
+    }
+    assert sorted(by_rank) == [0, 1, 2]
+    assert by_rank[2]["metadata"]["name"] == "spread-s1-2"
+    assert by_rank[2]["spec"]["nodeName"] == "bt-l4-0"
+    assert by_rank[2]["spec"]["containers"][0]["resources"]["limits"][GPU] == "2"
+    assert {by_rank[0]["spec"]["nodeName"], by_rank[1]["spec"]["nodeName"]} <= {
+        "bt-h100-0",
+        "bt-h100-1",
+    }
+    # Rank 2's Service selects exactly its pod, in the second rank set.
+    service = get(plane, "service", ns, "spread-rank-2")
+    assert service is not None
+    selector = ",".join(f"{k}={v}" for k, v in service["spec"]["selector"].items())
+    assert [p["metadata"]["name"] for p in pods(plane, ns, selector)] == ["spread-s1-2"]
+
+    def claimed(pool_name: str, amount: int) -> bool:
+        return pool_status(plane, pool_name).get("claimed") == amount
+
+    eventually(lambda: claimed(h100, 2) and claimed(l4, 2), what="both pools' claims")
+    # Scaled down, the highest rank goes first: the second rank set, and its StatefulSet.
+    plane.kubectl("scale", "-n", ns, "bis/spread", "--replicas=2")
+    eventually(lambda: statefulset(plane, ns, "spread-s1") is None, what="the second set pruned")
+    # (Ready stays True throughout: wait for the status that reports the scale-down.)
+    eventually(
+        lambda: (
+            (get(plane, "bis", ns, "spread") or {})["status"]["pools"]
+            == [{"pool": h100, "ranks": 2}]
+        ),
+        what="the status to show one pool",
+    )
+    assert condition(wait_ready(plane, ns, "spread"), "Ready")["reason"] == "Ready"
+    eventually(lambda: claimed(l4, 0), what="the l4 claim released")
 
 
 def test_limits_hold_for_services_scaling_up_at_once_and_freed_room_goes_to_the_waiting(
@@ -378,7 +440,7 @@ def test_invalid_pool_references_create_nothing_until_the_pool_exists(
         assert statefulset(plane, ns, name) is None
         assert pods(plane, ns, rank_selector(name)) == []
     apply_pools(plane, pool(later, "h100"))
-    assert wait_ready(plane, ns, "unknown")["status"]["pool"] == later
+    assert wait_ready(plane, ns, "unknown")["status"]["pools"] == [{"pool": later, "ranks": 1}]
 
 
 def test_a_lowered_limit_stops_no_rank_and_adds_none(

@@ -7,26 +7,34 @@ render` prints exactly what the operator applies, and a second reconcile is a no
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from berth_operator import constants as c
 from berth_operator.builders import network, rank_pods, rank_services, router
 from berth_operator.builders.parts import Manifest
-from berth_operator.plan import RankPlan
+from berth_operator.plan import RankPlan, RankSet
 from berth_operator.spec import InferenceService
 
 
-def build_children(isvc: InferenceService, plan: RankPlan | None = None) -> list[Manifest]:
+def build_children(
+    isvc: InferenceService, plan: RankPlan | None = None, rank_sets: Sequence[RankSet] = ()
+) -> list[Manifest]:
     """Every child of one InferenceService, in apply order (workloads before their pointers).
 
     `plan` overrides the spec's rank count and withdraws ranks from routing (the autoscaler's and
-    the health checks' decisions); without it, the spec alone decides.
+    the health checks' decisions); without it, the spec alone decides. `rank_sets`: where the
+    ranks run when the service is placed by AcceleratorPools (one StatefulSet each).
     """
     spec = isvc.spec
     plan = plan or RankPlan.of(isvc)
+    if rank_sets:
+        statefulsets = [rank_pods.build_rank_statefulset(r.isvc, plan, r) for r in rank_sets]
+    else:
+        statefulsets = [rank_pods.build_rank_statefulset(isvc, plan)]
     children = [
         rank_services.build_headless_service(isvc),
-        rank_pods.build_rank_statefulset(isvc, plan),
+        *statefulsets,
         *rank_services.build_rank_services(isvc, plan),
         rank_pods.build_rank_pdb(isvc),
     ]

@@ -25,7 +25,7 @@ from berth_operator.naming import (
     rank_statefulset_name,
     selector_labels,
 )
-from berth_operator.plan import RankPlan
+from berth_operator.plan import RankPlan, RankSet
 from berth_operator.spec import InferenceService, InferenceServiceSpec
 
 # Startup probe budget: a fixed part (process start, CUDA init, warm-up) plus the weight loading,
@@ -41,27 +41,41 @@ TERMINATION_MARGIN_SECONDS = 15
 HF_DOWNLOAD_EXCLUDES = ("original/*", "*.pth", "*.pt", "*.bin", "*.msgpack", "*.h5", "*.onnx")
 
 
-def build_rank_statefulset(isvc: InferenceService, plan: RankPlan | None = None) -> Manifest:
-    """One pod per DP rank; the ordinal is the rank, and a rank never surges onto a second GPU."""
+def build_rank_statefulset(
+    isvc: InferenceService, plan: RankPlan | None = None, rank_set: RankSet | None = None
+) -> Manifest:
+    """One pod per DP rank; the ordinal is the rank, and a rank never surges onto a second GPU.
+
+    With `rank_set` (a service placed by AcceleratorPools), the StatefulSet holds that rank set's
+    ranks in its pool: its ordinals start at the set's first rank, so that every pod's ordinal is
+    still its rank, and its selector names the set (the first set keeps the plain name and
+    selector, which select no pod of another set: a StatefulSet only manages pods it owns)."""
     plan = plan or RankPlan.of(isvc)
-    meta = metadata(isvc, rank_statefulset_name(isvc.name), c.ROLE_RANK)
+    index = rank_set.index if rank_set is not None else 0
+    meta = metadata(isvc, rank_statefulset_name(isvc.name, index), c.ROLE_RANK)
+    selector = selector_labels(isvc.name, c.ROLE_RANK)
     pod_labels = {**labels(isvc.name, c.ROLE_RANK), c.LABEL_ENGINE_TYPE: c.ENGINE_TYPE}
-    if isvc.pool is not None:
+    spec: dict[str, Any] = {"serviceName": headless_service_name(isvc.name), "replicas": plan.pods}
+    if rank_set is not None:
         # The quota ledger reads the claim back from these (quota.py), after a restart too.
-        meta["labels"][c.LABEL_POOL] = isvc.pool
-        meta["annotations"] = {c.ANNOTATION_PER_RANK: str(isvc.per_rank)}
-        pod_labels[c.LABEL_POOL] = isvc.pool
+        meta["labels"][c.LABEL_POOL] = rank_set.pool
+        meta["annotations"] = {c.ANNOTATION_PER_RANK: str(rank_set.per_rank)}
+        pod_labels[c.LABEL_POOL] = rank_set.pool
+        spec["replicas"] = rank_set.count
+        if index:
+            selector = {**selector, c.LABEL_RANK_SET: str(index)}
+            pod_labels[c.LABEL_RANK_SET] = str(index)
+            spec["ordinals"] = {"start": rank_set.start}
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": meta,
         "spec": {
-            "serviceName": headless_service_name(isvc.name),
-            "replicas": plan.pods,
+            **spec,
             # Ranks load in parallel; rolling updates still replace one rank at a time.
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate"},
-            "selector": {"matchLabels": selector_labels(isvc.name, c.ROLE_RANK)},
+            "selector": {"matchLabels": selector},
             "template": {
                 "metadata": {
                     "labels": pod_labels,

@@ -7,7 +7,6 @@ from berth_operator.builders.parts import Manifest, http_port, metadata
 from berth_operator.naming import (
     headless_service_name,
     labels,
-    rank_pod_name,
     rank_service_name,
     selector_labels,
 )
@@ -45,9 +44,10 @@ def build_rank_services(isvc: InferenceService, plan: RankPlan | None = None) ->
             },
             "spec": {
                 "type": "ClusterIP",
+                # By ordinal, not pod name: a rank's pod may be in any rank set (one per pool).
                 "selector": {
                     **selector_labels(isvc.name, c.ROLE_RANK),
-                    c.POD_NAME_LABEL: rank_pod_name(isvc.name, rank),
+                    c.POD_INDEX_LABEL: str(rank),
                 },
                 "ports": [http_port(c.HTTP_PORT)],
             },

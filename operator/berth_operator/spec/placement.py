@@ -149,8 +149,8 @@ class SchedulingSpec:
 
 
 @spec_object(
-    "An AcceleratorPool the ranks may run in, and what changes there. Ranks go to the first pool "
-    "in the list that this namespace may use and that has room under its limits."
+    "An AcceleratorPool the ranks may run in, and what changes there (its own rank set: a "
+    "StatefulSet of consecutive ranks)."
 )
 @dataclass(frozen=True)
 class PoolRef:

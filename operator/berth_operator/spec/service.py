@@ -113,10 +113,10 @@ class InferenceServiceSpec:
     )
     scheduling: SchedulingSpec = obj(SchedulingSpec)
     pools: tuple[PoolRef, ...] = array(
-        "AcceleratorPools to run the ranks in, in order of preference (e.g. H100 x1, else L4 "
-        "x2): the first that this namespace may use and that has room takes the ranks. A pool "
-        "sets the accelerator, placement and defaults; what this spec sets wins unless the pool "
-        "locks it.",
+        "AcceleratorPools to run the ranks in, in order of preference (e.g. H100, else L4): ranks "
+        "go to the first pool this namespace may use that has room under its limits, the rest to "
+        "the next; running ranks stay where they are. A pool sets the accelerator, placement and "
+        "defaults; what this spec sets wins unless the pool locks it.",
         Object(PoolRef),
         max_items=8,
         map_keys=("name",),
@@ -187,10 +187,6 @@ class InferenceService:
     uid: str | None = None
     generation: int | None = None
     router_image: str = constants.DEFAULT_ROUTER_IMAGE
-    # Set once placed in an AcceleratorPool (pool_placement.place): its name, and what each
-    # rank claims of it.
-    pool: str | None = None
-    per_rank: int | None = None
 
     @classmethod
     def from_body(

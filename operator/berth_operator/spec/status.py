@@ -73,6 +73,13 @@ class AutoscalerStatus:
     )
 
 
+@spec_object("Ranks in one AcceleratorPool.")
+@dataclass(frozen=True)
+class PoolUse:
+    pool: str = string("The pool.", required=True)
+    ranks: int = integer("Ranks placed in it (running or starting).", required=True)
+
+
 @spec_object("What the operator observed; written by the operator only.")
 @dataclass(frozen=True)
 class InferenceServiceStatus:
@@ -114,4 +121,7 @@ class InferenceServiceStatus:
     )
     autoscaler: AutoscalerStatus | None = optional(AutoscalerStatus)
     selector: str | None = string("Label selector of the rank pods (for the scale subresource).")
-    pool: str | None = string("The AcceleratorPool the ranks run in (when spec.pools is set).")
+    pools: tuple[dict[str, Any], ...] = array(
+        "The AcceleratorPools the ranks run in, in rank order (when spec.pools is set).",
+        PoolUse,
+    )

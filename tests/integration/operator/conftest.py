@@ -6,8 +6,10 @@ kmock quirks handled here (see ../shared/reference/testing-and-performance.md §
 resourceVersion, uid or generation (the tests seed them, and bump generation on spec changes like
 the API server does); it has no controllers (tests patch the children's status and make the pods);
 and `ApplyingEmulator` gives it the two things of server-side apply the operator relies on: an
-apply creates a missing object, and a dry run stores nothing. Everything else about server-side
-apply, admission, RBAC and garbage collection is tested against the real API server.
+apply creates a missing object, and a dry run stores nothing. Its path parser reads
+`/api/v1/namespaces` as the start of a namespaced path, so listing Namespaces (which the
+operator watches for AcceleratorPools) is taught to it in `_parse_path`. Everything else about
+server-side apply, admission, RBAC and garbage collection is tested against the real API server.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, TypeVar
 
 import aiohttp.web
 import kmock
+import kmock._internal.parsing as kmock_parsing
 import kopf
 import pytest
 
@@ -56,6 +59,20 @@ class ApplyingEmulator(kmock.KubernetesEmulator):
         return await super()._handle(request)
 
 
+_kmock_parse_path = kmock_parsing.parse_path
+
+
+def _parse_path(path: str) -> Any:
+    """`/api/v1/namespaces[/<name>]` is the cluster-scoped Namespaces resource."""
+    parts = path.strip("/").split("/")
+    if parts[:3] == ["api", "v1", "namespaces"] and len(parts) <= 4:
+        name = parts[3] if len(parts) == 4 else None
+        return kmock_parsing.ParsedPath("", "v1", "namespaces", None, name, None)
+    return _kmock_parse_path(path)
+
+
+kmock_parsing.parse_path = _parse_path
+
 T = TypeVar("T")
 
 ISVC = f"{c.GROUP}/{c.VERSION}/{c.PLURAL}"
@@ -81,6 +98,10 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
     "networking.k8s.io/v1/ingresses": kmock.ResourceInfo(
         kind="Ingress", namespaced=True, verbs=VERBS, subresources={"status"}
     ),
+    "v1/nodes": kmock.ResourceInfo(kind="Node", namespaced=False, verbs=VERBS),
+    f"{c.GROUP}/{c.VERSION}/{c.POOL_PLURAL}": kmock.ResourceInfo(
+        kind=c.POOL_KIND, namespaced=False, verbs=VERBS, subresources={"status"}
+    ),
     "apiextensions.k8s.io/v1/customresourcedefinitions": kmock.ResourceInfo(
         kind="CustomResourceDefinition", namespaced=False, verbs=VERBS
     ),
@@ -104,6 +125,9 @@ WATCHED = (
     "serviceaccounts",
     "rolebindings",
     "pods",
+    "acceleratorpools",
+    "nodes",
+    "namespaces",
 )
 TIMEOUT = 10.0
 NS = "team-a"

@@ -44,8 +44,9 @@ DEPLOY = "apps/v1/deployments"
 POD = "v1/pods"
 INTERVAL = 0.25  # the operator's scrape interval in these tests
 SLOW = 60.0  # waits that involve model work on a loaded 2-core machine
-# Long enough to outlast the scale-down delay even at 40 tokens/s on one thread.
-LONG_TOKENS = 320
+# Long enough to outlast the 4 s scale-down delay with room on a fast machine (about 12 s at
+# 100 tokens/s); 30 s at 40 tokens/s on a loaded 2-core one.
+LONG_TOKENS = 1200
 
 
 @pytest.fixture(scope="module")

@@ -430,7 +430,8 @@ def test_each_rank_service_selects_exactly_its_pod() -> None:
         "chat-rank-2",
     ]
     for rank, service in enumerate(services):
-        assert service["spec"]["selector"][c.POD_NAME_LABEL] == f"chat-{rank}"
+        # The pod's ordinal, which is its rank in whichever rank set (StatefulSet) it is.
+        assert service["spec"]["selector"][c.POD_INDEX_LABEL] == str(rank)
         assert service["spec"]["ports"][0]["port"] == c.HTTP_PORT
         assert service["metadata"]["annotations"][f"{c.GROUP}/dp-rank"] == str(rank)
         assert service["metadata"]["labels"][c.LABEL_DP_RANK] == str(rank)

@@ -231,7 +231,7 @@ def test_pool_defaults_fill_what_the_service_leaves_unset_and_its_own_values_win
         [H100],
     )
     spec = p.isvc.spec
-    assert p.isvc.pool == "h100" and p.per_rank == 1
+    assert [(r.pool, r.per_rank, r.start, r.count) for r in p.rank_sets] == [("h100", 1, 0, 1)]
     assert spec.runtime.image == "reg/berth:cuda"
     assert spec.runtime.args.dtype == "bfloat16"
     assert spec.runtime.args.context_length == 2048  # the service's own
@@ -324,7 +324,7 @@ def test_a_namespace_is_admitted_by_label_and_a_rank_must_fit_on_a_node() -> Non
     labelled = pool_body("gpu", limits={"allowedNamespaces": {"matchLabels": {"team": "ml"}}})
     body, isvc = service({"pools": [{"name": "gpu"}]})
     p = place(body, isvc, view([labelled], labels={"team-a": {"team": "ml"}}), Ledger(), 1)
-    assert p.pool.name == "gpu"
+    assert p.grant.pools == (("gpu", 1),)
     with pytest.raises(PlacementError) as e:
         place(body, isvc, view([labelled], labels={"team-a": {"team": "web"}}), Ledger(), 1)
     assert e.value.reason == POOL_NOT_ALLOWED
@@ -338,33 +338,77 @@ def test_a_namespace_is_admitted_by_label_and_a_rank_must_fit_on_a_node() -> Non
     assert "its largest node has 8" in e.value.message
 
 
-def test_the_first_pool_with_room_takes_the_service_else_the_one_with_most_room() -> None:
+def test_ranks_fill_the_first_pool_with_room_then_the_next() -> None:
     h100 = pool_body("h100", limits={"maxAccelerators": 2})
-    l4 = pool_body("l4", accelerator={"perRank": 2}, limits={"maxAccelerators": 8})
+    l4 = pool_body("l4", accelerator={"perRank": 2}, limits={"maxAccelerators": 4})
     spec = {"pools": [{"name": "h100"}, {"name": "l4"}], "replicas": 3}
-    assert placed(spec, [h100, l4]).pool.name == "l4"  # h100 has room for 2 of 3
-    assert placed({**spec, "replicas": 2}, [h100, l4]).pool.name == "h100"
-    crowded = pool_body("l4", accelerator={"perRank": 2}, limits={"maxAccelerators": 2})
-    p = placed({**spec, "replicas": 5}, [h100, crowded])
-    assert (p.pool.name, p.grant.ranks, p.grant.wanted) == ("h100", 2, 5)
+    p = placed(spec, [h100, l4])
+    assert [(r.pool, r.index, r.start, r.count) for r in p.rank_sets] == [
+        ("h100", 0, 0, 2),
+        ("l4", 1, 2, 1),
+    ]
+    assert p.rank_sets[1].isvc.spec.resources.gpus == 2  # each set has its own pool's settings
+    assert (p.grant.ranks, p.grant.short) == (3, False)
+    p = placed({**spec, "replicas": 5}, [h100, l4])  # 2 + 2 fit, the fifth waits
+    assert (p.grant.pools, p.grant.ranks, p.grant.wanted) == ((("h100", 2), ("l4", 2)), 4, 5)
+    assert p.grant.limit == (
+        "pool h100: limits.maxAccelerators is 2; pool l4: limits.maxAccelerators is 4; "
+        "4 of 5 ranks fit"
+    )
 
 
-def test_a_service_with_ranks_stays_in_its_pool() -> None:
+def claims_of(p: Any, namespace: str = "team-a", name: str = "chat") -> list[Claim]:
+    return [Claim(namespace, name, r.pool, r.count * r.per_rank, r.start) for r in p.rank_sets]
+
+
+def test_running_ranks_stay_where_they_are_and_the_last_rank_set_changes() -> None:
     h100 = pool_body("h100", limits={"maxAccelerators": 2})
     l4 = pool_body("l4")
-    ledger = Ledger(observed=lambda: [Claim("team-a", "chat", "h100", 2)])
-    p = placed(
-        {"pools": [{"name": "h100"}, {"name": "l4"}], "replicas": 4}, [h100, l4], ledger=ledger
-    )
-    assert (p.pool.name, p.grant.ranks) == ("h100", 2)
-    assert "pool h100: limits.maxAccelerators is 2" in (p.grant.limit or "")
+    pools = [{"name": "h100"}, {"name": "l4"}]
+    running: list[Claim] = [Claim("team-a", "chat", "l4", 2, 0)]  # placed when h100 was full
+    ledger = Ledger(observed=lambda: running)
+    p = placed({"pools": pools, "replicas": 4}, [h100, l4], ledger=ledger)
+    # l4's set grows (it holds the highest ranks); h100 is not used while l4 has room.
+    assert [(r.pool, r.start, r.count) for r in p.rank_sets] == [("l4", 0, 4)]
+    running[:] = claims_of(p)
+    crowded = pool_body("l4", limits={"maxAccelerators": 4})
+    p = placed({"pools": pools, "replicas": 6}, [h100, crowded], ledger=ledger)
+    assert [(r.pool, r.index, r.start, r.count) for r in p.rank_sets] == [
+        ("l4", 0, 0, 4),
+        ("h100", 1, 4, 2),
+    ]
+    running[:] = claims_of(p)
+    # Fewer ranks come off the top: the last set first.
+    p = placed({"pools": pools, "replicas": 5}, [h100, crowded], ledger=ledger)
+    assert [(r.pool, r.start, r.count) for r in p.rank_sets] == [("l4", 0, 4), ("h100", 4, 1)]
+    p = placed({"pools": pools, "replicas": 3}, [h100, crowded], ledger=ledger)
+    assert [(r.pool, r.start, r.count) for r in p.rank_sets] == [("l4", 0, 3)]
 
 
 # --- the ledger ---
 
 
+def decide(
+    ledger: Ledger,
+    pools: list[dict[str, Any]],
+    namespace: str,
+    name: str,
+    wanted: int,
+    *,
+    created: str = "2026-12-01T00:00:00Z",
+    labels: dict[str, dict[str, str]] | None = None,
+) -> Any:
+    body, isvc = service(
+        {"pools": [{"name": p["metadata"]["name"]} for p in pools]},
+        name=name,
+        namespace=namespace,
+        created=created,
+    )
+    return place(body, isvc, view(pools, labels=labels), ledger, wanted).grant
+
+
 def test_per_namespace_and_pool_limits_hold_for_services_deciding_one_after_another() -> None:
-    gpu = pool(
+    gpu = pool_body(
         "gpu",
         limits={
             "maxAccelerators": 6,
@@ -375,10 +419,12 @@ def test_per_namespace_and_pool_limits_hold_for_services_deciding_one_after_anot
         },
     )
     ledger = Ledger()
-    a1 = ledger.grant(gpu, ("team-a", "one"), {}, "1", 1, 3)
-    a2 = ledger.grant(gpu, ("team-a", "two"), {}, "2", 1, 3)
-    b = ledger.grant(gpu, ("team-b", "three"), {}, "3", 1, 5)
-    free = ledger.grant(gpu, ("team-c", "four"), {"tier": "free"}, "4", 1, 2)
+    a1 = decide(ledger, [gpu], "team-a", "one", 3, created="1")
+    a2 = decide(ledger, [gpu], "team-a", "two", 3, created="2")
+    b = decide(ledger, [gpu], "team-b", "three", 5, created="3")
+    free = decide(
+        ledger, [gpu], "team-c", "four", 2, created="4", labels={"team-c": {"tier": "free"}}
+    )
     assert (a1.ranks, a2.ranks, b.ranks, free.ranks) == (3, 1, 2, 0)
     assert "limits.namespaces[0].maxAccelerators is 4 for namespace team-a" in (a2.limit or "")
     assert "limits.maxAccelerators is 6" in (b.limit or "")
@@ -388,41 +434,44 @@ def test_per_namespace_and_pool_limits_hold_for_services_deciding_one_after_anot
 def test_a_lowered_limit_keeps_running_ranks_and_adds_none() -> None:
     running = [Claim("team-a", "chat", "gpu", 4)]
     ledger = Ledger(observed=lambda: running)
-    lowered = pool("gpu", limits={"maxAccelerators": 2})
-    assert ledger.grant(lowered, ("team-a", "chat"), {}, "1", 1, 4).ranks == 4
-    grown = ledger.grant(lowered, ("team-a", "chat"), {}, "1", 1, 6)
+    lowered = pool_body("gpu", limits={"maxAccelerators": 2})
+    assert decide(ledger, [lowered], "team-a", "chat", 4).ranks == 4
+    grown = decide(ledger, [lowered], "team-a", "chat", 6)
     assert (grown.ranks, grown.short) == (4, True)
-    other = ledger.grant(lowered, ("team-b", "new"), {}, "2", 1, 1)
-    assert other.ranks == 0
+    assert decide(ledger, [lowered], "team-b", "new", 1).ranks == 0
+    # Even below one rank's count, the pool stays the service's (no PoolTooSmall, no move).
+    tiny = pool_body("gpu", accelerator={"perRank": 2}, limits={"maxAccelerators": 1})
+    running[:] = [Claim("team-a", "chat", "gpu", 4)]
+    assert decide(Ledger(observed=lambda: running), [tiny], "team-a", "chat", 2).pools == (
+        ("gpu", 2),
+    )
 
 
 def test_room_that_frees_up_goes_to_the_oldest_waiting_service() -> None:
     claims: list[Claim] = [Claim("team-z", "big", "gpu", 4)]
     ledger = Ledger(observed=lambda: claims)
-    gpu = pool("gpu", limits={"maxAccelerators": 4})
-    old = ledger.grant(gpu, ("team-a", "old"), {}, "2026-01-01T00:00:00Z", 1, 2)
-    young = ledger.grant(gpu, ("team-b", "young"), {}, "2026-02-01T00:00:00Z", 1, 2)
-    assert (old.ranks, young.ranks) == (0, 0)
-    claims.clear()
-    ledger.release(("team-z", "big"))
-    claims.append(Claim("team-z", "big", "gpu", 2))  # big scaled down: 2 free
+    gpu = pool_body("gpu", limits={"maxAccelerators": 4})
+    old, young = "2026-01-01T00:00:00Z", "2026-02-01T00:00:00Z"
+    assert decide(ledger, [gpu], "team-a", "old", 2, created=old).ranks == 0
+    assert decide(ledger, [gpu], "team-b", "young", 2, created=young).ranks == 0
+    claims[:] = [Claim("team-z", "big", "gpu", 2)]  # big scaled down: 2 free
     # The younger service asks first, but the room is the older one's.
-    assert ledger.grant(gpu, ("team-b", "young"), {}, "2026-02-01T00:00:00Z", 1, 2).ranks == 0
-    assert ledger.grant(gpu, ("team-a", "old"), {}, "2026-01-01T00:00:00Z", 1, 2).ranks == 2
-    assert ledger.grant(gpu, ("team-b", "young"), {}, "2026-02-01T00:00:00Z", 1, 2).ranks == 0
+    assert decide(ledger, [gpu], "team-b", "young", 2, created=young).ranks == 0
+    assert decide(ledger, [gpu], "team-a", "old", 2, created=old).ranks == 2
+    assert decide(ledger, [gpu], "team-b", "young", 2, created=young).ranks == 0
     ledger.release(("team-a", "old"))
     claims.clear()
-    assert ledger.grant(gpu, ("team-b", "young"), {}, "2026-02-01T00:00:00Z", 1, 2).ranks == 2
+    assert decide(ledger, [gpu], "team-b", "young", 2, created=young).ranks == 2
 
 
 def test_a_service_waiting_on_its_own_namespace_limit_does_not_hold_back_others() -> None:
-    gpu = pool(
+    gpu = pool_body(
         "gpu",
         limits={"maxAccelerators": 4, "namespaces": [{"names": ["team-a"], "maxAccelerators": 1}]},
     )
     ledger = Ledger()
-    assert ledger.grant(gpu, ("team-a", "old"), {}, "1", 1, 3).ranks == 1
-    assert ledger.grant(gpu, ("team-b", "young"), {}, "2", 1, 3).ranks == 3
+    assert decide(ledger, [gpu], "team-a", "old", 3, created="1").ranks == 1
+    assert decide(ledger, [gpu], "team-b", "young", 3, created="2").ranks == 3
 
 
 # --- the pool's status ---

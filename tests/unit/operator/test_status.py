@@ -797,7 +797,7 @@ def test_turning_autoscaling_off_removes_the_autoscaler_status() -> None:
 
 def test_a_quota_held_service_serves_its_granted_ranks_and_the_autoscaler_says_why() -> None:
     limit = "pool h100: limits.maxAccelerators is 2; 2 of 4 ranks fit (2 claimed)"
-    grant = Grant("h100", ranks=2, wanted=4, limit=limit)
+    grant = Grant((("h100", 2),), ranks=2, wanted=4, limit=limit)
     live = Live(desired=4, autoscaler={"reason": "ScaleUp", "message": "queue 9/rank"})
     result = status.compute(
         parse({"replicas": 1, "autoscaling": {"enabled": True}, "pools": [{"name": "h100"}]}),
@@ -812,7 +812,8 @@ def test_a_quota_held_service_serves_its_granted_ranks_and_the_autoscaler_says_w
     ready = conditions(result)["Ready"]
     assert (ready["status"], ready["reason"]) == ("True", "QuotaExceeded")
     assert ready["message"] == f"2/4 ranks ready; router 1/1 ready; {limit}"
-    assert (result["desiredReplicas"], result["readyRanks"], result["pool"]) == (4, "2/4", "h100")
+    assert (result["desiredReplicas"], result["readyRanks"]) == (4, "2/4")
+    assert result["pools"] == [{"pool": "h100", "ranks": 2}]
     assert result["autoscaler"] == {
         "reason": "QuotaExceeded",
         "message": f"held at 2 ranks: {limit}",
@@ -826,7 +827,7 @@ def test_a_quota_held_service_serves_its_granted_ranks_and_the_autoscaler_says_w
         generation=7,
         now=NOW,
         plan=RankPlan(0),
-        grant=Grant("h100", ranks=0, wanted=1, limit=limit),
+        grant=Grant((("h100", 0),), ranks=0, wanted=1, limit=limit),
     )
     assert (conditions(none)["Ready"]["status"], conditions(none)["Ready"]["reason"]) == (
         "False",
