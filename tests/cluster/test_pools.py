@@ -210,16 +210,22 @@ def test_a_pool_reports_its_capacity_and_what_ranks_claim(
     assert row.split()[:7] == [h100, GPU, "1", "2", "4", "2", "3"]
 
 
-def test_ranks_go_to_the_first_pool_with_room_and_else_to_the_next(
-    installed: ControlPlane, serving_namespace: str, gpu_nodes: Any, pool_names: Any
-) -> None:
-    plane, ns = installed, serving_namespace
+def small_h100_and_l4(plane: ControlPlane, pool_names: Any) -> tuple[str, str]:
+    """Two pools: h100 limited to 2 GPUs (two ranks of one), l4 with 2 GPUs per rank."""
     h100, l4 = pool_names("h100"), pool_names("l4")
     apply_pools(
         plane,
         pool(h100, "h100", limits={"maxAccelerators": 2}),
         pool(l4, "l4", accelerator={"resource": GPU, "perRank": 2}),
     )
+    return h100, l4
+
+
+def test_ranks_go_to_the_first_pool_with_room_and_else_to_the_next(
+    installed: ControlPlane, serving_namespace: str, gpu_nodes: Any, pool_names: Any
+) -> None:
+    plane, ns = installed, serving_namespace
+    h100, l4 = small_h100_and_l4(plane, pool_names)
     pools = [{"name": h100}, {"name": l4}]
     apply(plane, ns, isvc("first", {"pools": pools, "replicas": 2}))
     assert wait_ready(plane, ns, "first")["status"]["pools"] == [{"pool": h100, "ranks": 2}]
@@ -234,12 +240,7 @@ def test_ranks_the_first_pool_has_no_room_for_run_in_the_next_as_the_next_ranks(
     installed: ControlPlane, serving_namespace: str, gpu_nodes: Any, pool_names: Any
 ) -> None:
     plane, ns = installed, serving_namespace
-    h100, l4 = pool_names("h100"), pool_names("l4")
-    apply_pools(
-        plane,
-        pool(h100, "h100", limits={"maxAccelerators": 2}),
-        pool(l4, "l4", accelerator={"resource": GPU, "perRank": 2}),
-    )
+    h100, l4 = small_h100_and_l4(plane, pool_names)
     apply(plane, ns, isvc("spread", {"pools": [{"name": h100}, {"name": l4}], "replicas": 3}))
     body = wait_ready(plane, ns, "spread")
     assert body["status"]["pools"] == [{"pool": h100, "ranks": 2}, {"pool": l4, "ranks": 1}]
