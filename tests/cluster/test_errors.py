@@ -143,8 +143,7 @@ def test_an_rbac_refusal_is_a_condition_naming_verb_and_resource(
 
     # test_rbac_and_load.py lets these refusals through, and no other; and counts the rule as
     # used by the operator.
-    refusal = (ns, narrowing.group, narrowing.resource, narrowing.verb)
-    conftest.RBAC_DENIED_ON_PURPOSE.add(refusal)
+    since = time.time()
     set_rules(rules, fewer)
     try:
         apply(plane, ns, isvc(name, narrowing.spec))
@@ -159,6 +158,9 @@ def test_an_rbac_refusal_is_a_condition_naming_verb_and_resource(
         assert warnings == ["Forbidden"]
     finally:
         set_rules(fewer, rules)
+        conftest.RBAC_DENIED_ON_PURPOSE.append(
+            (narrowing.group, narrowing.resource, narrowing.verb, since, time.time())
+        )
     wait_ready(plane, ns, name)
 
 
