@@ -73,19 +73,10 @@ def gpu_nodes(installed: ControlPlane) -> Iterator[dict[str, tuple[str, int]]]:
         )
 
     eventually(ready, what="the GPU nodes to be Ready")
+    # The nodes stay for the rest of the package (tainted: only pool ranks go there). Deleting
+    # them, even drained, left kube-scheduler or the StatefulSet controller slow to act on a
+    # later test's pods now and then; a cluster's nodes do not come and go per test either.
     yield NODES
-
-    # As an admin retires nodes: drained first (the tests' namespaces are going, and kwok ends
-    # their pods while it still has the nodes), then deleted, so that no pod is left bound to a
-    # node that is gone for the controllers to chase in the tests that follow.
-    def drained() -> bool:
-        pods = json.loads(installed.kubectl("get", "pods", "-A", "-o", "json").stdout)["items"]
-        left = [p["metadata"]["name"] for p in pods if p["spec"].get("nodeName") in NODES]
-        assert left == [], left
-        return True
-
-    eventually(drained, timeout=60, what="the pods on the GPU nodes to end")
-    installed.kubectl("delete", "node", *NODES, check=False)
 
 
 def pool(name: str, kind: str, **spec: Any) -> dict[str, Any]:

@@ -67,7 +67,10 @@ def rbac_refusal(event: Mapping[str, Any]) -> tuple[str, str, str, str] | None:
     message = status.get("message", "") if status.get("code") == 403 else ""
     if found := RBAC_MESSAGE.search(message):
         return namespace, found["group"], found["resource"], found["verb"]
-    if "cannot set blockOwnerDeletion" in message:  # our owner references: InferenceServices
+    # Our owner references (InferenceServices) without `update` on their finalizers. (Not the
+    # other blockOwnerDeletion refusal, "cannot find RESTMapping", which is the API server's
+    # discovery not serving a just-installed CRD yet: transient, and retried.)
+    if "refers to a resource you can't set finalizers on" in message:
         return namespace, c.GROUP, f"{c.PLURAL}/finalizers", "update"
     if "attempting to grant RBAC permissions not currently held" in message:
         return namespace, "rbac.authorization.k8s.io", "clusterroles", "bind"
