@@ -101,7 +101,7 @@ def place(
         )
     by_name = {c.pool.name: c for c in candidates}
     # What runs stays, in rank order, cut from the top when fewer ranks are wanted.
-    sets: list[list[Any]] = []  # [candidate, ranks]
+    sets: list[_Growing] = []
     remaining = wanted
     for claim in sorted(holdings.values(), key=lambda claim: claim.start):
         candidate = by_name.get(claim.pool)
@@ -109,19 +109,19 @@ def place(
             continue  # no longer listed (or refused): its ranks go
         take = min(remaining, claim.accelerators // candidate.per_rank)
         if take > 0:
-            sets.append([candidate, take])
+            sets.append(_Growing(candidate, take))
             remaining -= take
     # More ranks: the last rank set grows (ranks stay numbered in order), then new rank sets
     # open in the listed pools it does not use yet, in order, each up to its room.
     limits: list[str] = []
     waiting: list[Waiting] = []
-    used = {entry[0].pool.name for entry in sets}
+    used = {entry.candidate.pool.name for entry in sets}
     order = [sets[-1]] if sets else []
-    order += [[c, 0] for c in candidates if c.pool.name not in used]
+    order += [_Growing(c, 0) for c in candidates if c.pool.name not in used]
     for entry in order:
         if remaining == 0:
             break
-        candidate, have = entry
+        candidate, have = entry.candidate, entry.count
         room = ledger.room(candidate.pool, key, labels, created, candidate.per_rank)
         total = max(have, min(have + remaining, room.ranks))
         if total < have + remaining:
@@ -129,18 +129,21 @@ def place(
             unmet = (have + remaining - total) * candidate.per_rank
             waiting.append(Waiting(candidate.pool.name, created, unmet, room.scope or POOL_SCOPE))
         remaining -= total - have
-        entry[1] = total
+        entry.count = total
         if have == 0 and total > 0:
             sets.append(entry)
     if not sets:
-        sets = [[candidates[0], 0]]  # nothing fits yet: an empty rank set in the first pool
+        sets = [_Growing(candidates[0], 0)]  # nothing fits yet: an empty rank set in the first pool
     rank_sets = []
     start = 0
-    for index, (candidate, count) in enumerate(sets):
+    for index, entry in enumerate(sets):
+        candidate = entry.candidate
         rank_sets.append(
-            RankSet(candidate.isvc, candidate.pool.name, candidate.per_rank, index, start, count)
+            RankSet(
+                candidate.isvc, candidate.pool.name, candidate.per_rank, index, start, entry.count
+            )
         )
-        start += count
+        start += entry.count
     claims = tuple(Claim(key[0], key[1], r.pool, r.count * r.per_rank, r.start) for r in rank_sets)
     ledger.reserve(key, claims, tuple(waiting) if remaining else ())
     granted = wanted - remaining
@@ -149,6 +152,14 @@ def place(
         limit = "; ".join(limits) + f"; {granted} of {wanted} ranks fit"
     pools = tuple((r.pool, r.count) for r in rank_sets)
     return Placement(tuple(rank_sets), Grant(pools, granted, wanted, limit))
+
+
+@dataclass
+class _Growing:
+    """A rank set while `place` decides it: its pool (as a candidate) and its ranks so far."""
+
+    candidate: _Candidate
+    count: int
 
 
 def place_for_render(
