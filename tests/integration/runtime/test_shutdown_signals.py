@@ -18,7 +18,7 @@ import pytest
 from tests.helpers import RunningServer, embedded_model_dir, live_pids, wait_for
 
 STREAMS = 3
-MAX_TOKENS = 48
+MAX_TOKENS = 256
 
 
 def child_pid(srv: RunningServer, title: str) -> int:
