@@ -5,6 +5,7 @@ belong to the layers that choose between them at each step."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 
@@ -48,13 +49,33 @@ def run_linear(module: nn.Linear, x: torch.Tensor, decode: bool) -> torch.Tensor
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
     """x @ W.T through oneDNN. A row's result does not depend on how many rows come with it:
     oneDNN takes a different kernel for a single row, which rounds some outputs the other way,
-    so one row runs as two (1.27x the projections' time: `make bench-same-answer`). Without
-    this, a one-token extend after a cached prefix differs from the same token in a whole
-    prefill, and bf16 amplifies that difference over the layers into a different answer."""
+    so one row runs as two (1.27x the projections' time: `make bench-same-answer`); and on CPUs
+    with AMX, bf16 steps of many rows run in blocks (see `row_block`). Without this, a one-token
+    extend after a cached prefix differs from the same token in a whole prefill, and bf16
+    amplifies that difference over the layers into a different answer."""
     x = x.contiguous()
-    if x.shape[0] == 1:
+    rows = x.shape[0]
+    if rows == 1:
         return _linear_pointwise(x.expand(2, -1).contiguous(), packed_weight)[:1]
+    block = row_block(x.dtype)
+    if block is not None and rows > block:
+        return torch.cat([packed_linear(part, packed_weight) for part in x.split(block)])
     return _linear_pointwise(x, packed_weight)
+
+
+# On a CPU with AMX, oneDNN runs a bf16 projection of more than 32 rows on AMX tiles, rounding
+# differently from its kernel for fewer rows, and its choices above 32 rows vary with the shape
+# again (measured on a Xeon with AMX: rows differ by up to 0.06; 1 to 32 rows agree bit for bit,
+# as do all sizes in fp32 and on CPUs without AMX).
+AMX_ROW_BLOCK = 32
+
+
+@functools.cache
+def row_block(dtype: torch.dtype) -> int | None:
+    """The most rows one oneDNN call may take for each row's result to be independent of the
+    others; None: any number."""
+    amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    return AMX_ROW_BLOCK if amx and dtype == torch.bfloat16 else None
 
 
 def _linear_pointwise(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 
 from berth_runtime.model_executor import model_runner
 from berth_runtime.model_executor.model_runner import ModelRunner, cpu_has_native_bf16
-from berth_runtime.models.llama import can_prepack_cpu_linears
+from berth_runtime.models.llama import _pack, can_prepack_cpu_linears, packed_linear
 from tests.helpers import embedded_tokenizer
 from tests.integration.runtime.engine_steps import greedy_run, load_runner
 
@@ -56,3 +56,21 @@ def test_bf16_greedy_starts_like_fp32(prompt_ids):
     _, bf16_tokens = greedy_run(load("bfloat16"), prompt_ids, 3)
     _, fp32_tokens = greedy_run(load("float32"), prompt_ids, 3)
     assert [seq[:2] for seq in bf16_tokens] == [seq[:2] for seq in fp32_tokens]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (576, 1536), (49152, 576)])
+def test_a_packed_projections_row_does_not_depend_on_the_rows_beside_it(
+    dtype, out_features, in_features
+):
+    """Every step size from 1 to 100 rows gives each row the bits it gets alone (on a CPU with
+    AMX, oneDNN rounds bf16 steps of over 32 rows differently: `row_block` splits them)."""
+    if not can_prepack_cpu_linears(dtype, torch.device("cpu")):
+        pytest.skip("oneDNN prepacking is not available here")
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    packed = _pack(weight)
+    x = torch.randn(100, in_features, generator=gen).to(dtype)
+    alone = torch.cat([packed_linear(x[i : i + 1], packed) for i in range(100)])
+    for rows in (2, 7, 32, 33, 64, 65, 100):
+        assert torch.equal(packed_linear(x[:rows], packed), alone[:rows]), rows
