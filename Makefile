@@ -74,6 +74,10 @@ bench-limits: install ## Limits: time to refuse a 20 MB body, /health latency me
 bench-structured: install ## Structured output: output tok/s with a JSON schema vs unconstrained, 1 and 16 concurrent
 	$(BIN)/python -m benchmarks.structured_output $(BENCH_ARGS)
 
+.PHONY: bench-speculative
+bench-speculative: install ## Speculative decoding (ngram): single-stream tok/s on a rewrite and a chat workload, with and without
+	$(BIN)/python -m benchmarks.speculative $(BENCH_ARGS)
+
 .PHONY: bench-grammar
 bench-grammar: install ## Grammar engines: xgrammar vs llguidance, compile and per-token mask cost
 	$(BIN)/python -m benchmarks.grammar_backends $(BENCH_ARGS)

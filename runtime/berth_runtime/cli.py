@@ -20,6 +20,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         server_args = ServerArgs.from_cli_args(args)
     except ValueError as e:
         parser.error(str(e))
+    from berth_runtime.utils.torch_free import forbid_torch
+
+    forbid_torch()  # this is the API process: only the scheduler runs the model
     from berth_runtime.entrypoints.launch import launch_server
 
     return launch_server(server_args)

@@ -38,6 +38,9 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
     priority: int | None = None
     # False for internal probes (/health_generate): they do not count in the metrics.
     log_metrics: bool = True
+    # Where the client put the grammar (an OpenAI field such as `response_format`): the field a
+    # refused grammar's 400 names, instead of `sampling_params.<kind>`.
+    grammar_param: str | None = None
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, gc=False):
@@ -155,6 +158,8 @@ class FinishReason(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     matched_str: str | None = None
     message: str | None = None
     status_code: int | None = None
+    # The request field an abort blames, in /generate's names: set only for a refused grammar.
+    param: str | None = None
 
     def to_json(self) -> dict[str, object]:
         out: dict[str, object] = {"type": self.type}
@@ -227,6 +232,8 @@ class SchedulerStats(_Msg):
     cache_hit_rate: float
     step_count: int
     generated_tokens: int = 0  # output tokens since start, running requests included
+    spec_draft_tokens: int = 0  # speculative decoding: draft tokens proposed since start
+    spec_accepted_tokens: int = 0  # ... and accepted
 
 
 class SchedulerBusy(_Msg):

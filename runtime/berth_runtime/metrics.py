@@ -78,6 +78,14 @@ class MetricsCollector:
             "berth:scheduler_generated_tokens",
             "Output tokens the scheduler has generated since start, running requests included",
         )
+        # Speculative decoding (--speculative-algorithm ngram), vLLM's counters as gauges of the
+        # scheduler's running totals: accepted / draft is the acceptance rate.
+        self.spec_draft_tokens = gauge(
+            "berth:spec_decode_num_draft_tokens", "Draft tokens proposed for verification"
+        )
+        self.spec_accepted_tokens = gauge(
+            "berth:spec_decode_num_accepted_tokens", "Draft tokens verification accepted"
+        )
 
         # Per request (from the TokenizerManager).
         self.ttft = histogram(
@@ -131,6 +139,8 @@ class MetricsCollector:
         self.heartbeat.set(stats.time)
         self.steps.set(stats.step_count)
         self.scheduler_generated_tokens.set(stats.generated_tokens)
+        self.spec_draft_tokens.set(stats.spec_draft_tokens)
+        self.spec_accepted_tokens.set(stats.spec_accepted_tokens)
 
     def observe_first_token(self, received_time: float, now: float) -> None:
         self.ttft.observe(max(now - received_time, 0.0))

@@ -62,6 +62,41 @@ class ServerArgs(DataclassCli):
             "there (else torch_native, with a warning), torch_native on CUDA."
         },
     )
+    enable_deterministic_inference: bool = field(
+        default=False,
+        metadata={
+            "help": "A request's greedy output does not depend on what else runs in its batch "
+            "(SGLang's flag): every decode step, whatever its size, runs on one weight format "
+            "(the GGUF's 4-bit weights while --gguf-q4-max-batch > 0, else bf16), and attention "
+            "computes each sequence alone (berth_cpu). CPU only. Costs throughput at high "
+            "concurrency: see the README."
+        },
+    )
+    speculative_algorithm: Literal["none", "ngram"] = field(
+        default="none",
+        metadata={
+            "help": "ngram: speculative decoding without a draft model. A greedy request's draft "
+            "is what followed the latest earlier occurrence of its last tokens (prompt lookup); "
+            "one forward pass verifies it and keeps what greedy decoding would have produced "
+            "itself, token for token. Applies to decode steps of at most "
+            "--speculative-max-batch greedy requests (no logprobs, penalties, bias or grammar). "
+            "CPU only, with the berth_cpu attention backend."
+        },
+    )
+    speculative_num_draft_tokens: int = field(
+        default=3,
+        metadata={
+            "help": "ngram: most draft tokens verified per request and step (3: a step of four "
+            "rows costs about 1.35x a one-row decode step on the 4-bit weights, five rows 1.8x)."
+        },
+    )
+    speculative_max_batch: int = field(
+        default=1,
+        metadata={
+            "help": "ngram: speculate only in decode steps of at most this many requests, where "
+            "verifying several tokens costs little more than decoding one."
+        },
+    )
     grammar_backend: Literal["xgrammar", "none"] = field(
         default="xgrammar",
         metadata={
@@ -218,6 +253,23 @@ class ServerArgs(DataclassCli):
             )
         if self.gguf_q4_max_batch < 0:
             raise ValueError(f"--gguf-q4-max-batch must be >= 0, got {self.gguf_q4_max_batch}")
+        if self.speculative_algorithm != "none":
+            if self.device == "cuda":
+                raise ValueError("--speculative-algorithm ngram runs on CPU only for now")
+            if self.attention_backend == "torch_native":
+                raise ValueError(
+                    "--speculative-algorithm ngram needs the berth_cpu attention backend: "
+                    "verification must compute each token as decoding does"
+                )
+            positive("speculative_num_draft_tokens", self.speculative_num_draft_tokens)
+            positive("speculative_max_batch", self.speculative_max_batch)
+        if self.enable_deterministic_inference and self.device == "cuda":
+            raise ValueError("--enable-deterministic-inference runs on CPU only, not --device cuda")
+        if self.enable_deterministic_inference and self.attention_backend == "torch_native":
+            raise ValueError(
+                "--enable-deterministic-inference needs the berth_cpu attention backend: "
+                "torch_native's rounding depends on the batch's shape"
+            )
         if self.watchdog_timeout <= 0:
             raise ValueError("--watchdog-timeout must be positive")
         if self.max_stored_responses < 0:

@@ -21,9 +21,14 @@ from berth_common.logging import configure_logging
 from berth_common.process import DRAIN_REQUEST, set_process_title, stop_processes
 from berth_runtime.entrypoints.http_server import ServerState, create_app
 from berth_runtime.kernels.cpu import toolchain_problem
-from berth_runtime.model_executor.device import berth_cpu_problem, resolve_device
+from berth_runtime.model_executor.device import (
+    berth_cpu_problem,
+    berth_cpu_required_by,
+    check_device,
+)
 from berth_runtime.models.loader import ModelSourceError, check_model_dir, resolve_model
 from berth_runtime.server_args import BUILTIN_MODEL, ServerArgs
+from berth_runtime.utils.torch_free import run_isolated
 from berth_runtime.utils.zmq_ipc import PortArgs
 
 logger = logging.getLogger(__name__)
@@ -46,13 +51,12 @@ class Engine:
 
         `on_progress` receives the scheduler's loading reports (phase, tensors and bytes done).
         """
-        from berth_runtime.managers.detokenizer_process import run_detokenizer_process
-        from berth_runtime.managers.scheduler_process import run_scheduler_process
+        from berth_runtime.managers.spawn_targets import run_detokenizer_process, run_scheduler
 
         ctx = mp.get_context("spawn")  # never fork a process that may hold threads or CUDA
         infos = []
         for name, target in (
-            ("scheduler", run_scheduler_process),
+            ("scheduler", run_scheduler),
             ("detokenizer", run_detokenizer_process),
         ):
             reader, writer = ctx.Pipe(duplex=False)
@@ -235,8 +239,8 @@ def _precheck_model(args: ServerArgs) -> None:
 
 
 def _precheck_device(args: ServerArgs) -> None:
-    if args.device == "cuda":  # only then: the API process otherwise never needs torch
-        resolve_device(args.device)
+    if args.device == "cuda":  # only then, and in a child: the API process never loads torch
+        run_isolated(check_device, args.device)
 
 
 async def _start_engine(state: ServerState, engine: Engine, server: BerthServer) -> None:
@@ -250,8 +254,9 @@ async def _start_engine(state: ServerState, engine: Engine, server: BerthServer)
     loop = asyncio.get_running_loop()
     try:
         state.reason = "resolving the model (converting a GGUF file the first time)"
+        # Converting a GGUF file loads torch and the whole model: in a child, not here.
         resolved = await loop.run_in_executor(
-            None, resolve_model, state.args.model, state.args.model_cache_dir
+            None, run_isolated, resolve_model, state.args.model, state.args.model_cache_dir
         )
         state.model_path = resolved.path
         state.reason = "loading weights"
@@ -325,13 +330,18 @@ async def _watch_children(engine: Engine, server: BerthServer) -> None:
 
 
 def _precheck_attention_backend(args: ServerArgs) -> None:
-    """An explicit berth_cpu must be able to run (auto falls back instead); cheap checks only,
-    the scheduler builds and loads the kernels."""
-    if args.attention_backend != "berth_cpu":
+    """An explicit berth_cpu, or deterministic inference, must be able to run (auto falls back
+    instead); cheap checks only, the scheduler builds and loads the kernels."""
+    required_by = berth_cpu_required_by(
+        args.attention_backend,
+        args.enable_deterministic_inference,
+        args.speculative_algorithm != "none",
+    )
+    if required_by is None:
         return
     problem = berth_cpu_problem(args.device, args.dtype)
     if problem is not None:
-        raise ValueError(f"--attention-backend berth_cpu {problem}")
+        raise ValueError(f"{required_by} {problem}")
     problem = toolchain_problem()
     if problem is not None:
-        raise ValueError(f"--attention-backend berth_cpu: {problem}")
+        raise ValueError(f"{required_by}: {problem}")

@@ -89,7 +89,7 @@ class OpenAIServingBase(ABC, Generic[RequestT]):
         check_model(self.tokenizer_manager, request.model)
         check_sequences(request.sequence_count(), self.tokenizer_manager, "n")
         base_rid = request.rid or uuid.uuid4().hex
-        await check_grammar(self.tokenizer_manager, request)
+        check_grammar(self.tokenizer_manager, request)
         # Templating and tokenizing happen here: off the event loop.
         reqs = await self.tokenizer_manager.run_tokenizer(
             self.build_inputs, request, raw_request, base_rid
@@ -143,12 +143,13 @@ def check_model(engine: EngineClient, model: str | None) -> None:
         )
 
 
-async def check_grammar(engine: EngineClient, request: SamplingRequest) -> None:
-    """A bad schema is the client's error, named by its field, before anything runs."""
+def check_grammar(engine: EngineClient, request: SamplingRequest) -> None:
+    """A grammar this server cannot enforce is the client's error, named by its field, before
+    anything runs (an invalid one is refused by the scheduler, before it is queued)."""
     constraint = request.grammar()
     if constraint is not None:
         param, spec = constraint
-        await engine.run_tokenizer(engine.check_grammar, spec, param)
+        engine.check_grammar(spec, param)
 
 
 def check_sequences(count: int, engine: EngineClient, param: str) -> None:
@@ -175,6 +176,7 @@ def choice_inputs(
 ) -> list[GenerateReqInput]:
     """One GenerateReqInput per choice, in choice-index order (see the module docstring)."""
     dp_rank, priority = routing_signals(request, raw_request)
+    constraint = request.grammar()
     total = len(prompts) * request.n
     reqs = []
     for index in range(total):
@@ -194,6 +196,7 @@ def choice_inputs(
                 logprob_start_len=logprob_start_len,
                 routed_dp_rank=dp_rank,
                 priority=priority,
+                grammar_param=constraint[0] if constraint else None,
             )
         )
     return reqs

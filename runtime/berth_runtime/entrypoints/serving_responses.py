@@ -81,7 +81,7 @@ class OpenAIServingResponses:
             previous = self.store.get(request.previous_response_id, "previous_response_id")
             history = previous.conversation
         conversation = [*history, *request.input_messages()]
-        await check_grammar(engine, request)
+        check_grammar(engine, request)
         response = self._new_response(request)
         reqs = await engine.run_tokenizer(
             self._inputs, request, raw_request, conversation, request.rid or response.id

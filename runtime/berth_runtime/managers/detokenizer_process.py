@@ -14,6 +14,7 @@ from berth_runtime.io_struct import SchedulerStats, ToDetokenizer
 from berth_runtime.managers.detokenizer_manager import IncrementalDetokenizer, detokenize_batch
 from berth_runtime.server_args import ServerArgs
 from berth_runtime.utils.token_bytes import vocab_bytes
+from berth_runtime.utils.torch_free import forbid_torch
 from berth_runtime.utils.zmq_ipc import PortArgs, Receiver, Sender
 
 logger = logging.getLogger(__name__)
@@ -24,6 +25,7 @@ POLL_MS = 500
 def run_detokenizer_process(
     args: ServerArgs, ports: PortArgs, model_path: str, ready: Connection
 ) -> None:
+    forbid_torch()  # a tokenizer is all this process needs
     parent_pid = init_child_process("detokenizer")
     configure_logging(args.log_level, "detokenizer")
     try:

@@ -22,6 +22,8 @@ class StepStats:
     window_tokens: int = 0
     last_throughput: float = 0.0
     prompt_tokens: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     def throughput(self, idle: bool) -> float:
         """Output tokens/s since the last reading (the window restarts each second, or when
@@ -71,6 +73,23 @@ class OutputProcessor:
             self.check_finished(req)
         self.stats.generated_tokens += len(reqs)
         self.stats.window_tokens += len(reqs)
+
+    def take_accepted(self, req: Req, tokens: list[int]) -> int:
+        """Append a verified run of greedy tokens (speculative decoding: no grammar, no
+        logprobs), one at a time, until the request finishes; returns how many it took."""
+        now = time.time()
+        taken = 0
+        for token in tokens:
+            req.output_ids.append(token)
+            taken += 1
+            if not req.first_token_time:
+                req.first_token_time = now
+            self.check_finished(req)
+            if req.finished:
+                break
+        self.stats.generated_tokens += taken
+        self.stats.window_tokens += taken
+        return taken
 
     def check_finished(self, req: Req) -> None:
         params = req.sampling_params

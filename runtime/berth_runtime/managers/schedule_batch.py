@@ -14,6 +14,7 @@ from berth_runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from berth_runtime.constrained.grammar import Matcher
+    from berth_runtime.managers.ngram_speculator import NgramIndex
 
 
 class Req:
@@ -50,6 +51,7 @@ class Req:
         "max_stop_str_len",
         "grammar_future",
         "matcher",
+        "ngrams",
     )
 
     def __init__(
@@ -101,6 +103,8 @@ class Req:
         # across retraction and preemption, which keep the output it has accepted).
         self.grammar_future: Future[Any] | None = None
         self.matcher: Matcher | None = None
+        # Speculative decoding (ngram): where each of its n-grams last occurred, built on demand.
+        self.ngrams: NgramIndex | None = None
 
     @classmethod
     def from_tokenized(cls, msg: TokenizedGenerateReqInput, max_new_tokens: int) -> Req:

@@ -19,21 +19,33 @@ from berth_runtime.io_struct import (
     SchedulerStats,
     TokenizedGenerateReqInput,
 )
+from berth_runtime.managers.ngram_speculator import NgramIndex
 from berth_runtime.managers.output_processor import OutputProcessor
 from berth_runtime.managers.schedule_batch import Req
 from berth_runtime.managers.schedule_policy import BatchPlan, DecodeBatch, SchedulePolicy
 from berth_runtime.mem_cache.kv_manager import KVManager
 from berth_runtime.model_executor.forward_batch import ForwardBatch
-from berth_runtime.model_executor.sampler import SampleOutput, prompt_logprobs, sample_rows
+from berth_runtime.model_executor.sampler import (
+    SampleOutput,
+    plain_greedy,
+    prompt_logprobs,
+    sample_rows,
+)
 from berth_runtime.server_args import ServerArgs
+
+# Speculative drafts come from the latest earlier occurrence of the last NGRAM_MAX..NGRAM_MIN
+# tokens (prompt lookup's usual range: one token alone matches too often to be worth verifying).
+NGRAM_MIN, NGRAM_MAX = 2, 4
 
 
 @dataclass
 class StepResult:
-    """What a step's model run produced: the requests that sampled a token, and their tokens."""
+    """What a step's model run produced: the requests that sampled a token, and their tokens
+    (or, for a speculative verification step, each request's run of verified tokens)."""
 
     sampled_reqs: list[Req]
     sampled: SampleOutput | None
+    verified: list[list[int]] | None = None
 
 
 class Scheduler:
@@ -69,6 +81,9 @@ class Scheduler:
         self.grammar = grammar
         # Constrained requests whose grammar is compiling; they join the queue once it is ready.
         self.grammar_queue: list[Req] = []
+        self.speculate = args.speculative_algorithm == "ngram"
+        self.num_draft_tokens = args.speculative_num_draft_tokens
+        self.speculative_max_batch = args.speculative_max_batch
 
     # --- inputs ------------------------------------------------------------------------------
 
@@ -112,7 +127,10 @@ class Scheduler:
             try:
                 req.matcher = Matcher(future.result())
             except GrammarError as e:
-                self._finish_abort(req, f"invalid grammar: {e}", 400)
+                # The only check of a grammar: the API process does not load xgrammar (nor torch).
+                kind = req.sampling_params.grammar.kind  # type: ignore[union-attr]
+                message = f"invalid {kind.replace('_', ' ')}: {e}"
+                self._finish_abort(req, message, 400, param=f"sampling_params.{kind}")
             else:
                 self.policy.waiting.append(req)
         self.grammar_queue = compiling
@@ -134,8 +152,12 @@ class Scheduler:
         self.kv.flush()
         return FlushCacheOut(success=True)
 
-    def _finish_abort(self, req: Req, message: str, status_code: int) -> None:
-        req.finished_reason = FinishReason("abort", message=message, status_code=status_code)
+    def _finish_abort(
+        self, req: Req, message: str, status_code: int, param: str | None = None
+    ) -> None:
+        req.finished_reason = FinishReason(
+            "abort", message=message, status_code=status_code, param=param
+        )
         self.kv.release(req)
         self.policy.remove(req)
         self.finished_unsent.append(req)
@@ -164,6 +186,9 @@ class Scheduler:
         completes its prompt or decodes (prompt logprobs are recorded on the way)."""
         if isinstance(batch, DecodeBatch):
             reqs = batch.reqs
+            drafts = self._drafts(reqs)
+            if drafts is not None:
+                return self._execute_verify(reqs, drafts)
             slots = self.kv.alloc_decode(reqs)
             forward = ForwardBatch.decode(
                 [r.output_ids[-1] for r in reqs],
@@ -212,6 +237,80 @@ class Scheduler:
             return StepResult([], None)
         return StepResult(reqs, self._sample(reqs, hidden[forward.last_token_index[done]]))
 
+    # --- speculative decoding (ngram) ----------------------------------------------------------
+
+    def _drafts(self, reqs: list[Req]) -> list[list[int]] | None:
+        """Each request's draft for this decode step, or None to decode plainly: speculation is
+        off, the batch is too large, a request needs more than greedy's argmax (logprobs,
+        penalties, bias, min_tokens, a grammar), no request has a draft, or the KV pool has no
+        room for the drafts."""
+        if not self.speculate or len(reqs) > self.speculative_max_batch:
+            return None
+        if not all(plain_greedy(r) and r.matcher is None for r in reqs):
+            return None
+        drafts = []
+        for r in reqs:
+            # The draft's tokens plus the one decoding adds must fit the request's budget.
+            room = min(r.remaining_new_tokens, self.context_len - r.fill_len) - 1
+            limit = min(self.num_draft_tokens, room)
+            if limit <= 0:
+                drafts.append([])
+                continue
+            if r.ngrams is None:
+                r.ngrams = NgramIndex(NGRAM_MIN, NGRAM_MAX)
+            drafts.append(r.ngrams.propose(r.origin_input_ids + r.output_ids, limit))
+        need = sum(1 + len(d) for d in drafts)
+        if not any(drafts) or self.kv.free_capacity() < need:
+            return None
+        return drafts
+
+    def _execute_verify(self, reqs: list[Req], drafts: list[list[int]]) -> StepResult:
+        """Run each request's last token and its draft through one extend on decode's weights;
+        keep the draft's longest prefix that greedy decoding picks itself, then the token it
+        picks after that. Every token kept is bit for bit what plain decoding computes (each row
+        runs alone: 4-bit or oneDNN projections, per-token attention), so the output is too."""
+        spans = [(r, r.kv_len, r.kv_len + 1 + len(d)) for r, d in zip(reqs, drafts)]
+        slots = self.kv.alloc_extend(spans)
+        forward = ForwardBatch.extend(
+            [tok for r, d in zip(reqs, drafts) for tok in (r.output_ids[-1], *d)],
+            [r.kv_len for r in reqs],
+            [1 + len(d) for d in drafts],
+            slots,
+            [r.req_row for r in reqs],
+            self.kv.req_to_token.req_to_token,
+            self.device,
+            verify=True,
+        )
+        picked = self.runner.compute_logits(self.runner.forward(forward)).max(dim=-1)
+        greedy = picked.indices.tolist()
+        verified, row = [], 0
+        for draft in drafts:
+            choices = greedy[row : row + 1 + len(draft)]
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == choices[accepted]:
+                accepted += 1
+            verified.append([*draft[:accepted], choices[accepted]])
+            row += 1 + len(draft)
+        stats = self.outputs.stats
+        stats.spec_draft_tokens += sum(len(d) for d in drafts)
+        stats.spec_accepted_tokens += sum(len(v) - 1 for v in verified)
+        return StepResult(reqs, None, verified)
+
+    def _take_verified(self, reqs: list[Req], verified: list[list[int]]) -> None:
+        """Append each request's verified tokens (up to where it finishes); its KV keeps the
+        inputs that produced them and frees the draft's rejected rest."""
+        exact = self.runner.decode_matches_prefill(len(reqs))
+        table = self.kv.req_to_token.req_to_token
+        for req, tokens in zip(reqs, verified):
+            start = req.kv_len
+            taken = self.outputs.take_accepted(req, tokens)
+            # Slots written: [start, start + len(tokens)); the first `taken` hold K/V of the
+            # sequence's own tokens (its last one before this step, then accepted draft tokens).
+            self.kv.kv_pool.free(table[req.req_row, start + taken : start + len(tokens)].clone())
+            if exact and req.exact_len == start:
+                req.exact_len += taken
+            req.kv_len += taken
+
     def _sample(self, reqs: list[Req], hidden: torch.Tensor) -> SampleOutput:
         logits = self.runner.compute_logits(hidden)
         return sample_rows(logits, reqs, self.eos_token_ids)
@@ -234,6 +333,11 @@ class Scheduler:
                     len(r.origin_input_ids) for r in result.sampled_reqs if not r.output_ids
                 )
                 advanced += result.sampled_reqs
+            if result.verified is not None:
+                self._take_verified(result.sampled_reqs, result.verified)
+                for req in result.sampled_reqs:
+                    if req.finished:
+                        self.kv.release(req)
             if result.sampled is not None:
                 self.outputs.take_sampled(result.sampled_reqs, result.sampled)
                 for req in result.sampled_reqs:
@@ -279,4 +383,6 @@ class Scheduler:
             ),
             step_count=stats.step_count,
             generated_tokens=stats.generated_tokens,
+            spec_draft_tokens=stats.spec_draft_tokens,
+            spec_accepted_tokens=stats.spec_accepted_tokens,
         )

@@ -102,6 +102,10 @@ def run_scheduler_process(
             "weight_bytes": runner.weight_bytes,
             "q4_weight_bytes": runner.q4_bytes,
             "attention_backend": runner.attention_backend,
+            "deterministic_inference": runner.deterministic,
+            "speculative_algorithm": args.speculative_algorithm,
+            # Decode steps of at most this many sequences run on the 4-bit weights (0: none do).
+            "gguf_q4_max_batch": runner.gguf_q4_max_batch if runner.q4_bytes else 0,
             "kv_bytes_per_token": runner.kv_pool.bytes_per_token,
             "max_running_requests": scheduler.max_running,
         }
@@ -124,6 +128,7 @@ def warmup(scheduler: Scheduler) -> None:
         scheduler.step()
     stats = scheduler.outputs.stats
     stats.generated_tokens = stats.window_tokens = stats.prompt_tokens = stats.step_count = 0
+    stats.spec_draft_tokens = stats.spec_accepted_tokens = 0
 
 
 def event_loop(scheduler: Scheduler, ports: PortArgs, parent_pid: int) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 import uuid
@@ -25,7 +24,6 @@ import zmq
 import zmq.asyncio
 
 from berth_common.errors import EngineDeadError, RequestError
-from berth_runtime.constrained.grammar import GrammarError, check_grammar
 from berth_runtime.constrained.spec import GrammarSpec
 from berth_runtime.io_struct import (
     AbortReq,
@@ -52,8 +50,6 @@ from berth_runtime.utils.zmq_ipc import PortArgs
 
 logger = logging.getLogger(__name__)
 
-# One parse per distinct grammar: clients send the same schema with every request.
-checked_grammar = functools.lru_cache(maxsize=1024)(check_grammar)
 T = TypeVar("T")
 
 RETRY_AFTER_S = 1
@@ -169,16 +165,13 @@ class TokenizerManager:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     def check_grammar(self, spec: GrammarSpec, param: str) -> None:
-        """Refuse, before anything is queued, a grammar this server cannot enforce: xgrammar's
-        message for an invalid one (checked once per distinct grammar)."""
+        """Refuse a grammar when constrained decoding is off. Whether a grammar is valid is the
+        scheduler's answer (it compiles each before queueing the request): xgrammar is not
+        loaded here, since it imports torch."""
         if self.args.grammar_backend == "none":
             raise RequestError(
                 "constrained decoding is off on this server (--grammar-backend none)", param=param
             )
-        try:
-            checked_grammar(spec)
-        except GrammarError as e:
-            raise RequestError(f"invalid {spec.kind.replace('_', ' ')}: {e}", param=param) from e
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
         """Refuse, before tokenizing, a prompt too long in characters to fit in the context."""
@@ -211,7 +204,7 @@ class TokenizerManager:
         self._check_rank(obj)
         spec = obj.sampling_params.grammar if obj.sampling_params else None
         if spec is not None:
-            await self.run_tokenizer(self.check_grammar, spec, f"sampling_params.{spec.kind}")
+            self.check_grammar(spec, obj.grammar_param or f"sampling_params.{spec.kind}")
         text_ids = None
         if obj.input_ids is None and obj.text is not None:
             self.check_prompt_chars(len(obj.text), "prompt")
@@ -234,7 +227,7 @@ class TokenizerManager:
                 for out in outs:
                     reason = out.finish_reason
                     if first and reason is not None and reason.type == "abort":
-                        raise self._abort_error(reason)
+                        raise self._abort_error(reason, obj)
                     first = False
                     yield out
                 if state.finished:
@@ -360,12 +353,15 @@ class TokenizerManager:
             priority=obj.priority,
         )
 
-    def _abort_error(self, reason: FinishReason) -> RequestError:
+    def _abort_error(self, reason: FinishReason, obj: GenerateReqInput) -> RequestError:
         status = reason.status_code or HTTPStatus.INTERNAL_SERVER_ERROR
         headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
         if status == HTTPStatus.INTERNAL_SERVER_ERROR and self.dead_reason:
             return EngineDeadError(self.dead_reason)
-        return RequestError(reason.message or "request aborted", status, headers=headers)
+        # The scheduler blames a field only for a refused grammar: name it as the client sent it.
+        param = (obj.grammar_param or reason.param) if reason.param else None
+        message = reason.message or "request aborted"
+        return RequestError(message, status, headers=headers, param=param)
 
     def _send_abort(self, rid: str, message: str) -> None:
         with contextlib.suppress(zmq.ZMQError):

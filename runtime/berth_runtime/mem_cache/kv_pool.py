@@ -25,7 +25,13 @@ class TokenToKVPool:
         # One tensor per layer holding a slot's K heads then its V heads: a step writes and
         # gathers both with one op.
         shape = (num_layers, size + 1, 2 * num_kv_heads, head_dim)
-        self.kv_buffer = torch.zeros(shape, dtype=dtype, device=device)
+        # Uninitialised, so that on CPU the memory is committed as slots are first written, not
+        # all at start (360 MB at the embedded model's default size). Only the padding slot is
+        # read before it is written: attention reads a sequence's own slots, each written when
+        # its token ran, and pads ragged batches with slot 0, which must hold finite numbers (a
+        # masked score times NaN is still NaN).
+        self.kv_buffer = torch.empty(shape, dtype=dtype, device=device)
+        self.kv_buffer[:, 0].zero_()
         self.device = device
         # Free slots as a mask over the pool (slot 0, the padding slot, is never free). Taking the
         # lowest free slots keeps a batch's tokens close together however requests came and

@@ -26,6 +26,28 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def check_device(device: str) -> None:
+    """Raise ValueError if `device` cannot be used here (for a check run in another process:
+    a torch.device does not cross into one without torch)."""
+    resolve_device(device)
+
+
+def berth_cpu_required_by(
+    attention_backend: str, deterministic: bool, speculative: bool = False
+) -> str | None:
+    """The flag that needs Berth's CPU kernels, as an error message's opening words, or None
+    when `auto` may fall back to torch_native. Deterministic inference needs attention that
+    computes each sequence alone; speculative decoding, attention that computes a verified
+    token as decoding it would."""
+    if attention_backend == "berth_cpu":
+        return "--attention-backend berth_cpu"
+    if deterministic:
+        return "--enable-deterministic-inference (berth_cpu attention)"
+    if speculative:
+        return "--speculative-algorithm ngram (berth_cpu attention)"
+    return None
+
+
 def berth_cpu_problem(device: str, dtype: str) -> str | None:
     """Why Berth's CPU kernels cannot run on `device` (`cpu`, `cuda`; `auto` passes) in `dtype`
     (a --dtype value, `auto` included), or None. Whether they build here is the kernels' own

@@ -28,10 +28,17 @@ class ForwardBatch:
     query_batch_index: torch.Tensor | None = None
     query_pos_index: torch.Tensor | None = None
     query_lens: torch.Tensor | None = None
+    # An extend that verifies speculative drafts: its projections take decode's weights.
+    verify: bool = False
 
     @property
     def batch_size(self) -> int:
         return int(self.kv_indices.shape[0])
+
+    @property
+    def decode_seqs(self) -> int:
+        """The sequences of a step that runs on decode's weights (decode or verify); 0 else."""
+        return self.batch_size if self.is_decode or self.verify else 0
 
     @classmethod
     def decode(
@@ -70,10 +77,12 @@ class ForwardBatch:
         req_rows: list[int],
         req_to_token: torch.Tensor,
         device: torch.device,
+        verify: bool = False,
     ) -> ForwardBatch:
         """A prefill (extend) step: `extend_lens[b]` new tokens after `prefix_lens[b]` cached
         ones. One new token per sequence is still an extend, not a decode: the two may run on
-        different weights (see `models.llama.run_linear`)."""
+        different weights (see `models.llama.run_linear`), unless `verify` (speculative drafts:
+        each token computed as decoding it would)."""
         batch_size = len(extend_lens)
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         max_len = max(seq_lens)
@@ -103,6 +112,7 @@ class ForwardBatch:
             query_batch_index=query_batch_index,
             query_pos_index=query_pos_index,
             query_lens=positions + 1,
+            verify=verify,
         )
 
 

@@ -18,7 +18,11 @@ from transformers import AutoConfig
 
 from berth_runtime.kernels import cpu as cpu_kernels
 from berth_runtime.mem_cache.kv_pool import ReqToTokenPool, TokenToKVPool
-from berth_runtime.model_executor.device import berth_cpu_problem, resolve_device
+from berth_runtime.model_executor.device import (
+    berth_cpu_problem,
+    berth_cpu_required_by,
+    resolve_device,
+)
 from berth_runtime.model_executor.forward_batch import ForwardBatch
 from berth_runtime.models.gguf_q4 import can_run_int4
 from berth_runtime.models.llama import MODEL_CLASSES, can_prepack_cpu_linears
@@ -114,8 +118,13 @@ class ModelRunner:
         self.prepacked = can_prepack_cpu_linears(self.dtype, self.device)
         if self.prepacked:
             model.prepack_cpu_linears()
-        self.gguf_q4_max_batch = args.gguf_q4_max_batch
-        self.q4_bytes = self._attach_q4(model, model_path, args.gguf_q4_max_batch)
+        self.deterministic = args.enable_deterministic_inference
+        self.speculative = args.speculative_algorithm != "none"
+        q4_rows = args.gguf_q4_max_batch
+        if self.deterministic and q4_rows > 0:
+            q4_rows = args.max_running_requests  # one weight format for every decode step
+        self.gguf_q4_max_batch = q4_rows
+        self.q4_bytes = self._attach_q4(model, model_path, q4_rows)
         self.attention_backend = self._enable_kernels(
             model, args.attention_backend, args.model_cache_dir
         )
@@ -165,21 +174,27 @@ class ModelRunner:
         it; an explicit berth_cpu that cannot run here is an error, auto falls back."""
         if backend == "torch_native":
             return "torch_native"
+        required_by = berth_cpu_required_by(backend, self.deterministic, self.speculative)
         problem = berth_cpu_problem(self.device.type, str(self.dtype).removeprefix("torch."))
         if problem is not None:
-            if backend == "berth_cpu":
-                raise ValueError(f"--attention-backend berth_cpu {problem}")
+            if required_by:
+                raise ValueError(f"{required_by} {problem}")
             return "torch_native"
         try:
             cpu_kernels.load(Path(cache_dir) if cache_dir else default_cache_dir())
         except cpu_kernels.KernelBuildError as e:
-            if backend == "berth_cpu":
-                raise ValueError(f"--attention-backend berth_cpu: {e}") from e
+            if required_by:
+                raise ValueError(f"{required_by}: {e}") from e
             logger.warning("CPU kernels unavailable (%s); using torch_native attention", e)
             return "torch_native"
         attn = model.layers[0].self_attn
         attention = cpu_kernels.attention_supports(attn.num_heads, attn.num_kv_heads, attn.head_dim)
         if not attention:
+            if self.deterministic or self.speculative:
+                raise ValueError(
+                    f"{required_by}: no kernel for {attn.num_heads} heads and "
+                    f"{attn.num_kv_heads} KV heads of {attn.head_dim}"
+                )
             logger.info("Attention shape not built into the CPU kernels; using SDPA")
         model.enable_cpu_kernels(attention=attention)
         return "berth_cpu"

@@ -28,16 +28,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def run_linear(module: nn.Linear, x: torch.Tensor, decode: bool) -> torch.Tensor:
-    """One projection: in a decode step of a few sequences with the GGUF's own 4-bit weights
-    (see `attach_int4`), else through oneDNN with the weight prepacked (see
-    `prepack_cpu_linears`) when it was, else `linear`.
+def run_linear(module: nn.Linear, x: torch.Tensor, decode_seqs: int) -> torch.Tensor:
+    """One projection: in a decode step of a few sequences (`decode_seqs`, 0 for a prefill)
+    with the GGUF's own 4-bit weights (see `attach_int4`), else through oneDNN with the weight
+    prepacked (see `prepack_cpu_linears`) when it was, else `linear`.
 
     Prefill and extend steps never take the 4-bit weights, however few their tokens: a prompt
     whose prefix was cached leaves a short extend, and it must run through the same weights as
-    the same prompt prefilled whole, or the two would answer differently."""
+    the same prompt prefilled whole, or the two would answer differently. A speculative
+    verification step is an extend with decode's weights: several rows per sequence, each
+    computed as decoding it would (the 4-bit kernel computes each row alone)."""
     int4: Int4Weight | None = getattr(module, "berth_int4", None)
-    if decode and int4 is not None and x.shape[0] <= int4.max_rows:
+    if decode_seqs and int4 is not None and decode_seqs <= int4.max_rows:
         out = int4.matmul(x)
         return out if module.bias is None else out + module.bias
     if getattr(module, "berth_packed", False):
@@ -247,7 +249,9 @@ class LlamaAttention(nn.Module):
         kv_pool: TokenToKVPool,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = run_linear(self.qkv_proj, hidden, batch.is_decode).view(num_tokens, -1, self.head_dim)
+        qkv = run_linear(self.qkv_proj, hidden, batch.decode_seqs).view(
+            num_tokens, -1, self.head_dim
+        )
         # Rotate the query and key heads in one go, in place, so that the new tokens' K and V
         # heads sit side by side in qkv, as in the cache (fewer ops: decode is overhead-bound).
         qk_heads = self.num_heads + self.num_kv_heads
@@ -272,7 +276,7 @@ class LlamaAttention(nn.Module):
                     batch.query_lens,
                     self.scale,
                 )
-            return run_linear(self.o_proj, out.view(num_tokens, self.q_size), batch.is_decode)
+            return run_linear(self.o_proj, out.view(num_tokens, self.q_size), batch.decode_seqs)
         # index_select on the flat slot axis is several times faster than advanced indexing.
         flat = batch.kv_indices.view(-1)
         shape = (batch.batch_size, batch.kv_indices.shape[1], 2 * self.num_kv_heads, -1)
@@ -303,7 +307,7 @@ class LlamaAttention(nn.Module):
         else:
             out = out.transpose(1, 2)[batch.query_batch_index, batch.query_pos_index]
             out = out.reshape(num_tokens, self.q_size)
-        return run_linear(self.o_proj, out, batch.is_decode)
+        return run_linear(self.o_proj, out, batch.decode_seqs)
 
 
 class LlamaMLP(nn.Module):
@@ -314,10 +318,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
-        gate_up = run_linear(self.gate_up_proj, x, decode)
+    def forward(self, x: torch.Tensor, decode_seqs: int) -> torch.Tensor:
+        gate_up = run_linear(self.gate_up_proj, x, decode_seqs)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return run_linear(self.down_proj, F.silu(gate) * up, decode)
+        return run_linear(self.down_proj, F.silu(gate) * up, decode_seqs)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -341,7 +345,7 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, batch, rope, kv_pool)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden, batch.is_decode), residual
+        return self.mlp(hidden, batch.decode_seqs), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -91,6 +91,45 @@ def ipc_dirs_of(pids: list[int]) -> set[str]:
     return dirs
 
 
+def loads_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as maps:
+        return "libtorch_cpu" in maps.read()
+
+
+def test_only_the_scheduler_loads_torch_even_while_converting_a_gguf(tmp_path: Path):
+    """torch costs ~700 MB per process: the API and detokenizer run without it, and the GGUF
+    conversion (which needs it) runs in a child that exits."""
+    gguf = str(embedded_gguf_dir() / BUILTIN_GGUF)
+    srv = RunningServer("--model", gguf, "--model-cache-dir", str(tmp_path)).wait_ready()
+    try:
+        assert any(tmp_path.glob("*/config.json")), "the GGUF was not converted by this server"
+        # (multiprocessing's resource tracker is the third child)
+        by_title = {psutil.Process(pid).cmdline()[0]: pid for pid in srv.child_pids()}
+        assert {"berth::scheduler", "berth::detokenizer"} <= set(by_title), by_title
+        assert not loads_torch(srv.proc.pid)
+        assert not loads_torch(by_title["berth::detokenizer"])
+        assert loads_torch(by_title["berth::scheduler"])
+        # Templating (tools included), detokenizing and a refused grammar, all without torch.
+        chat = {
+            "model": BUILTIN_GGUF[:-5],
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 8,
+            "temperature": 0,
+            "tools": [{"type": "function", "function": {"name": "look_up", "parameters": {}}}],
+        }
+        answer = httpx.post(f"{srv.base_url}/v1/chat/completions", json=chat, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 8
+        bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "x"}}}
+        bad = {**chat, "tools": None, "response_format": bad_schema}
+        refused = httpx.post(f"{srv.base_url}/v1/chat/completions", json=bad, timeout=60)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "response_format"
+        assert not loads_torch(srv.proc.pid)
+    finally:
+        srv.stop()
+
+
 def test_sigterm_drains_in_flight_requests_then_exits_cleanly():
     before = ipc_dirs()
     # Serve the GGUF file directly: another model source.
@@ -104,7 +143,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly():
     assert httpx.get(f"{srv.base_url}/v1/models").json()["data"][0]["id"] == BUILTIN_GGUF[:-5]
 
     result: dict = {}
-    body = {"text": "Count slowly:", "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}
+    body = {"text": "Count slowly:", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
 
     def in_flight() -> None:
         result["r"] = httpx.post(f"{srv.base_url}/generate", json=body, timeout=120)
@@ -126,7 +165,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly():
 
     t.join(120)
     assert result["r"].status_code == 200, result["r"].text
-    assert result["r"].json()["meta_info"]["completion_tokens"] == 60
+    assert result["r"].json()["meta_info"]["completion_tokens"] == 400
     assert srv.proc.wait(60) == 0
     srv.stop()
     wait_for(lambda: not live_pids(children), 10, what=f"children {live_pids(children)} to exit")

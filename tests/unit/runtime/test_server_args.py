@@ -98,3 +98,24 @@ def test_api_key_from_environment(monkeypatch):
     monkeypatch.setenv("BERTH_API_KEY", "k")
     assert ServerArgs().api_key == "k"
     assert ServerArgs(api_key="flag").api_key == "flag"
+
+
+def test_deterministic_inference_flag_and_what_it_cannot_run_with():
+    assert parse("--enable-deterministic-inference").enable_deterministic_inference
+    assert not parse().enable_deterministic_inference
+    with pytest.raises(ValueError, match="CPU only, not --device cuda"):
+        parse("--enable-deterministic-inference", "--device", "cuda")
+    with pytest.raises(ValueError, match="needs the berth_cpu attention backend"):
+        parse("--enable-deterministic-inference", "--attention-backend", "torch_native")
+
+
+def test_speculative_flags_and_what_they_cannot_run_with():
+    args = parse("--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "5")
+    assert (args.speculative_algorithm, args.speculative_num_draft_tokens) == ("ngram", 5)
+    assert parse().speculative_algorithm == "none"
+    with pytest.raises(ValueError, match="CPU only"):
+        parse("--speculative-algorithm", "ngram", "--device", "cuda")
+    with pytest.raises(ValueError, match="needs the berth_cpu attention backend"):
+        parse("--speculative-algorithm", "ngram", "--attention-backend", "torch_native")
+    with pytest.raises(ValueError, match="--speculative-num-draft-tokens must be positive"):
+        parse("--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "0")
