@@ -34,14 +34,35 @@ def byte_level_alphabet() -> dict[str, int]:
 
 
 def vocab_kind(tokenizer: Any) -> VocabKind:
-    """How this Hugging Face (fast) tokenizer's tokens spell bytes, from its decoder."""
-    decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+    """How this Hugging Face tokenizer's tokens spell bytes: from the vocabulary itself where it
+    says so plainly, else from the decoder (xgrammar's order: a saved tokenizer's decoder does not
+    always describe its vocabulary)."""
+    from_vocab = _kind_from_vocab(tokenizer.get_vocab())
+    if from_vocab is not None:
+        return from_vocab
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # a slow tokenizer has none
+    if backend is None:
+        return "raw"
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
     kinds = {decoder.get("type"), *(d.get("type") for d in decoder.get("decoders") or [])}
     if "ByteLevel" in kinds:
         return "byte_level"
     if "ByteFallback" in kinds:
         return "byte_fallback"
     return "raw"
+
+
+def _kind_from_vocab(vocab: dict[str, int]) -> VocabKind | None:
+    """Byte fallback: most of the 256 `<0xAB>` pieces are tokens. Byte level: most of GPT-2's
+    byte alphabet are one-character tokens and nearly every token is spelt in it (added tokens
+    such as chat markers may not be). None: the vocabulary alone does not say."""
+    if sum(f"<0x{b:02X}>" in vocab for b in range(256)) >= 128:
+        return "byte_fallback"
+    alphabet = byte_level_alphabet()
+    if sum(ch in vocab for ch in alphabet) < 128:
+        return None
+    spelt = sum(all(ch in alphabet for ch in token) for token in vocab)
+    return "byte_level" if spelt >= 0.99 * len(vocab) else None
 
 
 def token_to_bytes(token: str, kind: VocabKind) -> bytes:

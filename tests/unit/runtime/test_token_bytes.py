@@ -38,6 +38,13 @@ def byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
 
 
+def byte_fallback_tokenizer_without_decoder() -> PreTrainedTokenizerFast:
+    """The same vocabulary saved without its decoder: the vocabulary alone must tell."""
+    tokenizer = byte_fallback_tokenizer()
+    tokenizer.backend_tokenizer.decoder = decoders.Fuse()
+    return tokenizer
+
+
 def raw_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {"[UNK]": 0, "hello": 1, "wörld": 2, "中文": 3, " spaced": 4}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
@@ -54,7 +61,12 @@ def test_byte_level_vocabulary_equals_xgrammars_reading(tokenizer: PreTrainedTok
 
 
 @pytest.mark.parametrize(
-    ("make", "kind"), [(byte_fallback_tokenizer, "byte_fallback"), (raw_tokenizer, "raw")]
+    ("make", "kind"),
+    [
+        (byte_fallback_tokenizer, "byte_fallback"),
+        (byte_fallback_tokenizer_without_decoder, "byte_fallback"),
+        (raw_tokenizer, "raw"),
+    ],
 )
 def test_other_vocabularies_equal_xgrammars_reading(make, kind):
     tokenizer = make()
