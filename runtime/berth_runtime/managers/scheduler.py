@@ -291,6 +291,11 @@ class Scheduler:
                 accepted += 1
             verified.append([*draft[:accepted], choices[accepted]])
             row += 1 + len(draft)
+        # The rejected draft tokens' slots go back now: positions past the last token kept.
+        table = self.kv.req_to_token.req_to_token
+        for r, draft, tokens in zip(reqs, drafts, verified):
+            kept_end = r.kv_len + len(tokens)
+            self.kv.kv_pool.free(table[r.req_row, kept_end : r.kv_len + 1 + len(draft)].clone())
         stats = self.outputs.stats
         stats.spec_draft_tokens += sum(len(d) for d in drafts)
         stats.spec_accepted_tokens += sum(len(v) - 1 for v in verified)
@@ -304,8 +309,9 @@ class Scheduler:
         for req, tokens in zip(reqs, verified):
             start = req.kv_len
             taken = self.outputs.take_accepted(req, tokens)
-            # Slots written: [start, start + len(tokens)); the first `taken` hold K/V of the
-            # sequence's own tokens (its last one before this step, then accepted draft tokens).
+            # Slots left: [start, start + len(tokens)); the first `taken` hold K/V of the
+            # sequence's own tokens (its last one before this step, then accepted draft tokens),
+            # the rest those of tokens after the one it finished on.
             self.kv.kv_pool.free(table[req.req_row, start + taken : start + len(tokens)].clone())
             if exact and req.exact_len == start:
                 req.exact_len += taken

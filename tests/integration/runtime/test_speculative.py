@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.helpers import RunningServer
+from tests.helpers import RunningServer, wait_for
 
 MODEL = "smollm2-135m-instruct"
 SNIPPET = """def load_config(path):
@@ -138,3 +138,16 @@ def test_requests_it_does_not_apply_to_decode_as_before(servers):
         return [o["choices"][0]["message"]["content"] for o in outs]
 
     assert both(servers["ngram"]) == both(servers["plain"])
+
+
+def test_no_kv_slot_is_lost_to_rejected_drafts(servers):
+    """After the requests above (many drafts rejected) and a few more, the idle server holds no
+    KV slot but what its prefix cache may evict: every rejected draft's slot went back."""
+    for prompt in PROMPTS:
+        chat(servers["ngram"], prompt, max_tokens=200)
+
+    def used_tokens() -> float:
+        text = httpx.get(f"{servers['ngram'].base_url}/metrics").text
+        return float(re.search(r"^sglang:num_used_tokens\{[^}]*\} (\S+)$", text, re.M)[1])
+
+    wait_for(lambda: used_tokens() == 0, 10, what="the KV pool to hold nothing but the cache")
