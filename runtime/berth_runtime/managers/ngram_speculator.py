@@ -7,8 +7,9 @@ latest earlier occurrence of its last n tokens (the longest n from `max_ngram` d
 the longest prefix that greedy decoding would have produced itself, plus the token that decoding
 picks after it (see `Scheduler._execute_verify`).
 
-Each request keeps an index from n-gram to where it last ended, updated as tokens arrive, so a
-draft costs a few dictionary lookups however long the context.
+Each request keeps its tokens and an index from n-gram to where it last ended, both extended by
+the tokens that arrived since the last draft, so a draft costs a few dictionary lookups however
+long the context.
 """
 
 from __future__ import annotations
@@ -23,12 +24,18 @@ class NgramIndex:
 
     min_ngram: int
     max_ngram: int
+    tokens: list[int] = field(default_factory=list)  # the prompt, then the output so far
     ends: dict[tuple[int, ...], int] = field(default_factory=dict)
     indexed: int = 0  # n-grams ending before this position are in `ends`
 
-    def propose(self, tokens: list[int], limit: int) -> list[int]:
+    def propose(self, prompt: list[int], output: list[int], limit: int) -> list[int]:
         """Up to `limit` tokens that followed the latest earlier occurrence of the longest
-        possible tail of `tokens` (the request's prompt and output so far); [] if none did."""
+        possible tail of the request's tokens (`prompt`, then `output`, which only grows);
+        [] if none did."""
+        tokens = self.tokens
+        if len(tokens) < len(prompt):
+            tokens.extend(prompt[len(tokens) :])
+        tokens.extend(output[len(tokens) - len(prompt) :])
         self._catch_up(tokens)
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(tokens) <= n:

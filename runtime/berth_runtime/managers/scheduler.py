@@ -258,7 +258,7 @@ class Scheduler:
                 continue
             if r.ngrams is None:
                 r.ngrams = NgramIndex(NGRAM_MIN, NGRAM_MAX)
-            drafts.append(r.ngrams.propose(r.origin_input_ids + r.output_ids, limit))
+            drafts.append(r.ngrams.propose(r.origin_input_ids, r.output_ids, limit))
         need = sum(1 + len(d) for d in drafts)
         if not any(drafts) or self.kv.free_capacity() < need:
             return None

@@ -24,23 +24,24 @@ def test_the_draft_follows_the_latest_earlier_occurrence_of_the_longest_tail():
     #         0  1  2  3  4  5  6  7  8  9
     tokens = [5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 6, 7]
     # Tail (6, 7): latest earlier occurrence ends at 8 -> [1, 2, 6]; (5, 6, 7) is not the tail.
-    assert index.propose(tokens, 3) == [1, 2, 6]
+    assert index.propose(tokens[:5], tokens[5:], 3) == [1, 2, 6]
     # Now the tail (5, 6, 7) occurred before (ending at 3 and at 8): the latest one wins.
-    assert index.propose([*tokens, 5, 6, 7], 2) == [1, 2]
+    assert index.propose(tokens[:5], [*tokens[5:], 5, 6, 7], 2) == [1, 2]
 
 
 def test_no_draft_without_a_repeated_tail_and_the_limit_holds():
     index = NgramIndex(2, 4)
-    assert index.propose([1, 2, 3, 4], 4) == []
-    assert index.propose([1, 2, 3, 4, 1, 2], 1) == [3]
-    assert NgramIndex(2, 4).propose([1, 2], 4) == []
-    assert NgramIndex(2, 4).propose([1, 2, 1, 2], 0) == []
+    assert index.propose([1, 2, 3, 4], [], 4) == []
+    assert index.propose([1, 2, 3, 4], [1, 2], 1) == [3]
+    assert NgramIndex(2, 4).propose([1, 2], [], 4) == []
+    assert NgramIndex(2, 4).propose([1, 2], [1, 2], 0) == []
 
 
 def test_growing_one_token_at_a_time_equals_brute_force():
     rng = random.Random(0)
-    tokens: list[int] = []
+    prompt = [rng.randrange(6) for _ in range(20)]  # a small alphabet: many repeats
+    output: list[int] = []
     index = NgramIndex(2, 4)
     for _ in range(400):
-        tokens.append(rng.randrange(6))  # a small alphabet: many repeats
-        assert index.propose(tokens, 3) == naive(tokens, 3)
+        output.append(rng.randrange(6))
+        assert index.propose(prompt, output, 3) == naive(prompt + output, 3)
