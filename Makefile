@@ -63,8 +63,12 @@ help: ## Show this help
 
 ##@ Benchmarks
 .PHONY: bench
-bench: install ## Berth vs HF transformers generate() side by side (quick; BENCH_ARGS="--full" for all)
+bench: install ## Berth vs HF transformers generate() (and llama-server, when built) side by side (quick; BENCH_ARGS="--full" for all)
 	$(BIN)/python -m benchmarks.compare $(BENCH_ARGS)
+
+.PHONY: llama-server
+llama-server: ## Build (or reuse, cached by version) llama.cpp's llama-server from the llama-cpp-python sdist, for `make bench`
+	PYTHON=$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) hack/llama-server/build.sh
 
 .PHONY: bench-limits
 bench-limits: install ## Limits: time to refuse a 20 MB body, /health latency meanwhile, streams drained on group SIGTERM

@@ -8,7 +8,9 @@ import importlib.util
 import math
 import os
 import shutil
+import subprocess
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -155,9 +157,10 @@ def run_berth(cfg: CompareConfig, scenarios: list[Scenario], tokenizer: Any) -> 
 
 
 def find_llama_cpp() -> tuple[str, list[str]] | None:
-    """How to start llama.cpp's server here: ("llama-server", argv prefix), or
-    ("llama_cpp.server", argv prefix) for llama-cpp-python's; None when neither is installed."""
-    binary = shutil.which("llama-server")
+    """How to start llama.cpp's server here: ("llama-server", argv prefix) for one on PATH or
+    built by `make llama-server`, or ("llama_cpp.server", argv prefix) for llama-cpp-python's;
+    None when none is installed."""
+    binary = shutil.which("llama-server") or built_llama_server()
     if binary:
         return "llama-server", [binary]
     if importlib.util.find_spec("llama_cpp") is not None:
@@ -165,6 +168,18 @@ def find_llama_cpp() -> tuple[str, list[str]] | None:
             if importlib.util.find_spec("llama_cpp.server") is not None:
                 return "llama_cpp.server", [sys.executable, "-m", "llama_cpp.server"]
     return None
+
+
+def built_llama_server() -> str | None:
+    """The llama-server `make llama-server` (hack/llama-server/build.sh) built, if it did."""
+    script = Path(__file__).parents[1] / "hack" / "llama-server" / "build.sh"
+    if not script.is_file():
+        return None
+    result = subprocess.run(
+        ["bash", str(script), "--print-path"], capture_output=True, text=True, check=False
+    )
+    path = result.stdout.strip()
+    return path if result.returncode == 0 and os.access(path, os.X_OK) else None
 
 
 def launch_llama_cpp(

@@ -1,4 +1,4 @@
-"""Build (once, cached) and load Berth's C++ CPU kernels (`cpu_kernels.cpp`) as torch.ops.berth.*.
+"""Build (once, cached) and load Berth's C++ CPU kernels (`kernels/*.cpp`) as torch.ops.berth.*.
 
 The library is compiled for the SIMD level PyTorch itself dispatches to on the running CPU
 (AVX-512, AVX2 or plain C++), by calling the C++ compiler directly against PyTorch's headers: no
@@ -25,7 +25,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+# One library from these sources: attention, norms and logits; a decode step's layers in one call.
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "decode_layers.cpp"))
 KERNELS_DIR_ENV = "BERTH_KERNELS_DIR"
 # Head dims the attention kernels are instantiated for.
 ATTENTION_HEAD_DIMS = (64, 128, 256)
@@ -78,7 +79,7 @@ def compile_command(capability: str, output: Path) -> list[str]:
         f"-DCPU_CAPABILITY_{capability}",
         *ISA_FLAGS[capability],
         *includes,
-        str(SOURCE),
+        *(str(source) for source in SOURCES),
         *libs,
         "-lc10",
         "-ltorch_cpu",
@@ -94,7 +95,9 @@ def library_name(capability: str) -> str:
 
     flags = " ".join(ISA_FLAGS[capability])
     key = hashlib.sha256(
-        SOURCE.read_bytes() + flags.encode() + torch.__version__.encode()
+        b"".join(source.read_bytes() for source in SOURCES)
+        + flags.encode()
+        + torch.__version__.encode()
     ).hexdigest()[:16]
     return f"berth_cpu_kernels-{capability.lower()}-{key}.so"
 

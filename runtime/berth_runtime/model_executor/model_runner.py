@@ -128,6 +128,7 @@ class ModelRunner:
         self.attention_backend = self._enable_kernels(
             model, args.attention_backend, args.model_cache_dir
         )
+        self.fused_decode = self.attention_backend == "berth_cpu" and model.enable_fused_decode()
         self.model = model.eval()
         self.load_time_s = time.perf_counter() - start
 

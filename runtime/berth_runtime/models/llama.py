@@ -364,12 +364,31 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_lm_head: torch.Tensor | None = None  # set by prepack_cpu_linears
+        self.fused_decode_rows = 0  # set by enable_fused_decode
+        self.fused_decode_weights: list[torch.Tensor] = []
         self.use_cpu_logit_kernels = False  # set by enable_cpu_kernels
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: TokenToKVPool) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids)
         rope = self.rotary.tables(batch.positions, hidden.dtype)
+        if batch.is_decode and 0 < batch.decode_seqs <= self.fused_decode_rows:
+            # The same ops as the layers below, dispatched from C++ (see `enable_fused_decode`).
+            attn = self.layers[0].self_attn
+            return torch.ops.berth.decode_layers(
+                hidden,
+                *rope,
+                kv_pool.kv_buffer,
+                batch.out_cache_loc,
+                batch.kv_indices,
+                batch.seq_lens,
+                self.fused_decode_weights,
+                attn.num_heads,
+                attn.num_kv_heads,
+                self.layers[0].mlp.intermediate_size,
+                self.norm.eps,
+                attn.scale,
+            )
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch, rope, kv_pool)
@@ -415,6 +434,40 @@ class LlamaForCausalLM(nn.Module):
                 module.weight = nn.Parameter(_pack(module.weight), requires_grad=False)
                 module.berth_packed = True
         self.packed_lm_head = _pack(self.lm_head_weight())
+
+    def enable_fused_decode(self) -> bool:
+        """Run decode steps on the 4-bit weights through `torch.ops.berth.decode_layers`: every
+        layer in one call from C++, bit for bit the ops of `forward`, without their Python
+        dispatch (half of a single-stream step's time). Needs Berth's attention and RMSNorm
+        kernels (`enable_cpu_kernels`), every projection in 4 bits (`attach_int4`) and no
+        biases; returns whether it is on."""
+        weights: list[torch.Tensor] = []
+        rows = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            int4 = [getattr(p, "berth_int4", None) for p in projections]
+            if not attn.use_cpu_attention or not self.norm.use_cpu_kernel:
+                return False
+            if any(w is None for w in int4) or any(p.bias is not None for p in projections):
+                return False
+            rows += [w.max_rows for w in int4]
+            qkv, out, gate_up, down = int4
+            weights += [
+                layer.input_layernorm.weight,
+                qkv.packed,
+                qkv.scales_and_zeros,
+                out.packed,
+                out.scales_and_zeros,
+                layer.post_attention_layernorm.weight,
+                gate_up.packed,
+                gate_up.scales_and_zeros,
+                down.packed,
+                down.scales_and_zeros,
+            ]
+        self.fused_decode_weights = [w.detach() for w in weights] + [self.norm.weight.detach()]
+        self.fused_decode_rows = min(rows)
+        return True
 
     @torch.inference_mode()
     def attach_int4(self, groups: dict[str, torch.Tensor], max_rows: int) -> int:
