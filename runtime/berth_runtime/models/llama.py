@@ -438,7 +438,7 @@ class LlamaForCausalLM(nn.Module):
     def enable_fused_decode(self) -> bool:
         """Run decode steps on the 4-bit weights through `torch.ops.berth.decode_layers`: every
         layer in one call from C++, bit for bit the ops of `forward`, without their Python
-        dispatch (half of a single-stream step's time). Needs Berth's attention and RMSNorm
+        dispatch (about a fifth of a single-stream step's time). Needs Berth's attention and RMSNorm
         kernels (`enable_cpu_kernels`), every projection in 4 bits (`attach_int4`) and no
         biases; returns whether it is on."""
         weights: list[torch.Tensor] = []
