@@ -128,7 +128,7 @@ class ModelRunner:
         self.attention_backend = self._enable_kernels(
             model, args.attention_backend, args.model_cache_dir
         )
-        self.fused_decode = self.attention_backend == "berth_cpu" and model.enable_fused_decode()
+        self.fused_decode = model.enable_fused_decode()  # needs berth_cpu: checks it itself
         self.model = model.eval()
         self.load_time_s = time.perf_counter() - start
 
