@@ -43,6 +43,15 @@ class ServerArgs(DataclassCli):
             "with native bf16 (AVX512-BF16/AMX), float32 on other CPUs."
         },
     )
+    load_format: Literal["auto", "dummy"] = field(
+        default="auto",
+        metadata={
+            "help": "auto: the weights from the model's files. dummy: random weights of the "
+            "shapes its config.json gives, seeded by --random-seed (no *.safetensors needed; "
+            "the tokenizer files still are), for benchmarks and capacity tests of large models "
+            "without downloading them: the answers are noise."
+        },
+    )
     gguf_q4_max_batch: int = field(
         default=8,
         metadata={
@@ -51,15 +60,31 @@ class ServerArgs(DataclassCli):
             "prefill and larger decode steps use bf16); 0 turns it off."
         },
     )
-    attention_backend: Literal["auto", "torch_native", "berth_cpu"] = field(
+    attention_backend: Literal["auto", "torch_native", "berth_cpu", "triton"] = field(
         default="auto",
         metadata={
             "help": "Kernels for attention and RMSNorm. berth_cpu: Berth's C++ CPU kernels, "
             "built once on first start and cached (attention reads K/V in place through slot "
             "indices, each token alone, in prefill and decode; fused RMSNorm; exact top logits); "
-            "needs a C++ compiler. torch_native: eager PyTorch "
-            "(a K/V gather + SDPA), any device. auto = berth_cpu on CPU when the kernels build "
-            "there (else torch_native, with a warning), torch_native on CUDA."
+            "needs a C++ compiler. triton: Berth's Triton paged attention for CUDA (K/V read in "
+            "place through slot indices; CPU tensors only under TRITON_INTERPRET=1, for tests). "
+            "torch_native: eager PyTorch (a K/V gather + SDPA), any device. auto = berth_cpu on "
+            "CPU when the kernels build there (else torch_native, with a warning), triton on "
+            "CUDA (torch_native where Triton or the head dim is missing)."
+        },
+    )
+    disable_cuda_graph: bool = field(
+        default=False,
+        metadata={
+            "help": "On CUDA, run decode steps eagerly instead of replaying CUDA graphs captured "
+            "at start-up (one per batch-size bucket: 1, 2, 4, 8, then steps of 8)."
+        },
+    )
+    cuda_graph_max_bs: int | None = field(
+        default=None,
+        metadata={
+            "help": "Largest decode batch replayed from a CUDA graph; larger ones run eagerly "
+            "(default: --max-running-requests)."
         },
     )
     enable_deterministic_inference: bool = field(
@@ -244,6 +269,7 @@ class ServerArgs(DataclassCli):
             "max_total_tokens",
             "max_queued_requests",
             "max_request_body_mb",
+            "cuda_graph_max_bs",
         ):
             positive(name, getattr(self, name))
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
@@ -256,7 +282,7 @@ class ServerArgs(DataclassCli):
         if self.speculative_algorithm != "none":
             if self.device == "cuda":
                 raise ValueError("--speculative-algorithm ngram runs on CPU only for now")
-            if self.attention_backend == "torch_native":
+            if self.attention_backend in ("torch_native", "triton"):
                 raise ValueError(
                     "--speculative-algorithm ngram needs the berth_cpu attention backend: "
                     "verification must compute each token as decoding does"
@@ -265,7 +291,10 @@ class ServerArgs(DataclassCli):
             positive("speculative_max_batch", self.speculative_max_batch)
         if self.enable_deterministic_inference and self.device == "cuda":
             raise ValueError("--enable-deterministic-inference runs on CPU only, not --device cuda")
-        if self.enable_deterministic_inference and self.attention_backend == "torch_native":
+        if self.enable_deterministic_inference and self.attention_backend in (
+            "torch_native",
+            "triton",
+        ):
             raise ValueError(
                 "--enable-deterministic-inference needs the berth_cpu attention backend: "
                 "torch_native's rounding depends on the batch's shape"

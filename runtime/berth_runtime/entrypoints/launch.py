@@ -25,6 +25,7 @@ from berth_runtime.model_executor.device import (
     berth_cpu_problem,
     berth_cpu_required_by,
     check_device,
+    triton_problem,
 )
 from berth_runtime.models.loader import ModelSourceError, check_model_dir, resolve_model
 from berth_runtime.server_args import BUILTIN_MODEL, ServerArgs
@@ -233,7 +234,7 @@ def _precheck_model(args: ServerArgs) -> None:
     if not path.exists():
         raise ModelSourceError(f"model path does not exist: {path}")
     if path.is_dir():
-        check_model_dir(path)
+        check_model_dir(path, args.load_format)
     elif path.suffix != ".gguf":
         raise ModelSourceError(f"{path} is a file but not a .gguf file")
 
@@ -256,7 +257,12 @@ async def _start_engine(state: ServerState, engine: Engine, server: BerthServer)
         state.reason = "resolving the model (converting a GGUF file the first time)"
         # Converting a GGUF file loads torch and the whole model: in a child, not here.
         resolved = await loop.run_in_executor(
-            None, run_isolated, resolve_model, state.args.model, state.args.model_cache_dir
+            None,
+            run_isolated,
+            resolve_model,
+            state.args.model,
+            state.args.model_cache_dir,
+            state.args.load_format,
         )
         state.model_path = resolved.path
         state.reason = "loading weights"
@@ -330,8 +336,13 @@ async def _watch_children(engine: Engine, server: BerthServer) -> None:
 
 
 def _precheck_attention_backend(args: ServerArgs) -> None:
-    """An explicit berth_cpu, or deterministic inference, must be able to run (auto falls back
-    instead); cheap checks only, the scheduler builds and loads the kernels."""
+    """An explicit berth_cpu or triton, or deterministic inference, must be able to run (auto
+    falls back instead); cheap checks only, the scheduler builds and loads the kernels."""
+    if args.attention_backend == "triton":
+        problem = triton_problem(args.device)
+        if problem is not None:
+            raise ValueError(f"--attention-backend triton {problem}")
+        return
     required_by = berth_cpu_required_by(
         args.attention_backend,
         args.enable_deterministic_inference,

@@ -190,15 +190,12 @@ class Scheduler:
             if drafts is not None:
                 return self._execute_verify(reqs, drafts)
             slots = self.kv.alloc_decode(reqs)
-            forward = ForwardBatch.decode(
+            hidden = self.runner.forward_decode(
                 [r.output_ids[-1] for r in reqs],
                 [r.kv_len for r in reqs],
                 slots,
                 [r.req_row for r in reqs],
-                self.kv.req_to_token.req_to_token,
-                self.device,
             )
-            hidden = self.runner.forward(forward)
             exact = self.runner.decode_matches_prefill(len(reqs))
             for r in reqs:
                 if exact and r.exact_len == r.kv_len:

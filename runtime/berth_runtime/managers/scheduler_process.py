@@ -102,6 +102,11 @@ def run_scheduler_process(
             "weight_bytes": runner.weight_bytes,
             "q4_weight_bytes": runner.q4_bytes,
             "attention_backend": runner.attention_backend,
+            # Decode steps of at most this many sequences replay a CUDA graph (0: none do).
+            "cuda_graph_max_bs": runner.graph_runner.max_bs if runner.graph_runner else 0,
+            "cuda_graph_capture_s": (
+                runner.graph_runner.capture_time_s if runner.graph_runner else 0.0
+            ),
             "deterministic_inference": runner.deterministic,
             "speculative_algorithm": args.speculative_algorithm,
             # Decode steps of at most this many sequences run on the 4-bit weights (0: none do).

@@ -7,6 +7,8 @@ torch is imported where it is used: the API process checks the flags without loa
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from typing import TYPE_CHECKING
 
 from berth_runtime.kernels.cpu import DTYPES_BY_NAME
@@ -56,4 +58,17 @@ def berth_cpu_problem(device: str, dtype: str) -> str | None:
         return "runs on CPU only, not with --device cuda"
     if dtype not in ("auto", *DTYPES_BY_NAME):
         return f"takes float32 or bfloat16, not {dtype}"
+    return None
+
+
+def triton_problem(device: str) -> str | None:
+    """Why Berth's Triton attention kernels cannot run on `device` (`cpu`, `cuda`; `auto` passes:
+    the runner checks the device it resolved), or None."""
+    if importlib.util.find_spec("triton") is None:
+        return "needs Triton (it ships with PyTorch's CUDA builds)"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return (
+            "runs on CUDA; on CPU tensors only under Triton's interpreter "
+            "(TRITON_INTERPRET=1, for tests)"
+        )
     return None

@@ -19,7 +19,9 @@ class ForwardBatch:
     positions: torch.Tensor  # [T]
     out_cache_loc: torch.Tensor  # [T] KV slot each new token writes
     kv_indices: torch.Tensor  # [B, L] KV slots of every position of each sequence (0 = padding)
-    attn_mask: torch.Tensor  # [B, 1, Q, L] bool, True = may attend (Q = 1 for decode)
+    # [B, 1, Q, L] bool, True = may attend (Q = 1 for decode); read by SDPA only (None in
+    # CUDA graph steps, whose attention reads each sequence's slots in place).
+    attn_mask: torch.Tensor | None
     last_token_index: torch.Tensor  # [B] row in T of each sequence's last new token
     is_decode: bool
     seq_lens: torch.Tensor  # [B] tokens of each sequence in the KV cache after this step

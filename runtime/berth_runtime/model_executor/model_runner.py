@@ -18,12 +18,15 @@ from transformers import AutoConfig
 
 from berth_runtime.kernels import cpu as cpu_kernels
 from berth_runtime.mem_cache.kv_pool import ReqToTokenPool, TokenToKVPool
+from berth_runtime.model_executor.cuda_graph_runner import DecodeGraphRunner
 from berth_runtime.model_executor.device import (
     berth_cpu_problem,
     berth_cpu_required_by,
     resolve_device,
+    triton_problem,
 )
 from berth_runtime.model_executor.forward_batch import ForwardBatch
+from berth_runtime.models.dummy_weights import DEFAULT_INIT_STD, init_dummy_weights
 from berth_runtime.models.gguf_q4 import can_run_int4
 from berth_runtime.models.llama import MODEL_CLASSES, can_prepack_cpu_linears
 from berth_runtime.models.loader import Q4_GROUPS_FILE, default_cache_dir
@@ -92,7 +95,8 @@ class ModelRunner:
         self, model_path: str, args: ServerArgs, progress: LoadProgress | None = None
     ) -> None:
         """Load `model_path` (a Hugging Face directory; `args.model` is its source) as `args`
-        says: dtype, device, context length, KV capacity, batch slots, 4-bit weights, kernels."""
+        says: dtype, device, context length, KV capacity, batch slots, 4-bit weights, kernels;
+        with --load-format dummy, random weights instead of its files'."""
         torch.manual_seed(args.random_seed)
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
@@ -113,7 +117,16 @@ class ModelRunner:
         # Buffers (rotary tables) were on meta: rebuild them on the real device.
         model.rotary.__init__(self.config, self.context_len)
         model.rotary.to(self.device)
-        model.load_weights(_iter_weights(model_path, progress))
+        dummy = args.load_format == "dummy"
+        if dummy:
+            std = float(getattr(self.config, "initializer_range", DEFAULT_INIT_STD))
+            init_dummy_weights(model, args.random_seed, std)
+            logger.warning(
+                "--load-format dummy: random weights (seed %d), answers are noise",
+                args.random_seed,
+            )
+        else:
+            model.load_weights(_iter_weights(model_path, progress))
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.prepacked = can_prepack_cpu_linears(self.dtype, self.device)
         if self.prepacked:
@@ -124,7 +137,8 @@ class ModelRunner:
         if self.deterministic and q4_rows > 0:
             q4_rows = args.max_running_requests  # one weight format for every decode step
         self.gguf_q4_max_batch = q4_rows
-        self.q4_bytes = self._attach_q4(model, model_path, q4_rows)
+        # A GGUF source's 4-bit groups are its real weights: never beside random ones.
+        self.q4_bytes = 0 if dummy else self._attach_q4(model, model_path, q4_rows)
         self.attention_backend = self._enable_kernels(
             model, args.attention_backend, args.model_cache_dir
         )
@@ -143,6 +157,16 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             args.max_running_requests + 1, self.context_len + 1, self.device
         )
+        # CUDA graphs need attention with no host sync: Triton's reads K/V in place.
+        self.graph_runner: DecodeGraphRunner | None = None
+        graphs = self.attention_backend == "triton" and not args.disable_cuda_graph
+        if self.device.type == "cuda" and graphs:
+            max_bs = min(
+                args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests
+            )
+            self.graph_runner = DecodeGraphRunner(
+                model, self.kv_pool, self.req_to_token_pool.req_to_token, max_bs, capture=True
+            )
         logger.info(
             "Loaded %s (%s, %s on %s) in %.2fs; KV cache %d tokens (%.0f MB)",
             arch,
@@ -171,10 +195,12 @@ class ModelRunner:
         return added
 
     def _enable_kernels(self, model, backend: str, cache_dir: str | None) -> str:
-        """Resolve --attention-backend to `berth_cpu` or `torch_native` and set the model up for
-        it; an explicit berth_cpu that cannot run here is an error, auto falls back."""
+        """Resolve --attention-backend to `berth_cpu`, `triton` or `torch_native` and set the
+        model up for it; an explicit backend that cannot run here is an error, auto falls back."""
         if backend == "torch_native":
             return "torch_native"
+        if backend == "triton" or (backend == "auto" and self.device.type == "cuda"):
+            return self._enable_triton(model, explicit=backend == "triton")
         required_by = berth_cpu_required_by(backend, self.deterministic, self.speculative)
         problem = berth_cpu_problem(self.device.type, str(self.dtype).removeprefix("torch."))
         if problem is not None:
@@ -200,6 +226,26 @@ class ModelRunner:
         model.enable_cpu_kernels(attention=attention)
         return "berth_cpu"
 
+    def _enable_triton(self, model, explicit: bool) -> str:
+        """Triton paged attention (the default on CUDA) where it runs and has a kernel for the
+        model's head dim and dtype; otherwise an error when asked for, else torch_native."""
+        attn = model.layers[0].self_attn
+        problem = triton_problem(self.device.type)
+        if problem is None:
+            from berth_runtime.kernels import triton_attention
+
+            if attn.head_dim not in triton_attention.HEAD_DIMS:
+                problem = f"has no kernel for head dim {attn.head_dim}"
+            elif self.dtype not in triton_attention.DTYPES:
+                problem = f"takes float32, bfloat16 or float16, not {self.dtype}"
+        if problem is not None:
+            if explicit:
+                raise ValueError(f"--attention-backend triton {problem}")
+            logger.warning("Triton attention %s; using torch_native", problem)
+            return "torch_native"
+        model.enable_triton_attention()
+        return "triton"
+
     def _default_kv_tokens(self, num_kv_heads: int, head_dim: int) -> int:
         if self.device.type != "cuda":
             return max(DEFAULT_CPU_KV_TOKENS, self.context_len)
@@ -216,6 +262,29 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states of every new token, [T, hidden]."""
+        return self.model(batch, self.kv_pool)
+
+    def forward_decode(
+        self,
+        input_ids: list[int],
+        cached_lens: list[int],
+        out_cache_loc: torch.Tensor,
+        req_rows: list[int],
+    ) -> torch.Tensor:
+        """Final hidden states [B, hidden] of a decode step (one new token after the
+        `cached_lens[b]` tokens of each sequence): replayed from a CUDA graph where one holds
+        the batch, else run eagerly."""
+        graphs = self.graph_runner
+        if graphs is not None and len(input_ids) <= graphs.max_bs:
+            return graphs.run(input_ids, cached_lens, out_cache_loc, req_rows)
+        batch = ForwardBatch.decode(
+            input_ids,
+            cached_lens,
+            out_cache_loc,
+            req_rows,
+            self.req_to_token_pool.req_to_token,
+            self.device,
+        )
         return self.model(batch, self.kv_pool)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -239,7 +240,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
-        self.use_cpu_attention = False  # set by LlamaForCausalLM.enable_cpu_kernels
+        # Paged attention ops (decode_attention, extend_attention): torch.ops.berth on CPU
+        # (enable_cpu_kernels) or kernels.triton_attention (enable_triton_attention); None: SDPA.
+        self.paged_attention: Any = None
 
     def forward(
         self,
@@ -260,15 +263,15 @@ class LlamaAttention(nn.Module):
 
         kv_cache = kv_pool.kv_buffer[self.layer_id]  # [slots, K heads + V heads, D]
         kv_cache.index_copy_(0, batch.out_cache_loc, qkv[:, self.num_heads :])
-        if self.use_cpu_attention:
+        if self.paged_attention is not None:
             # Reads each sequence's K/V in place through its slots: no gather, no padding; every
             # token computed alone, so that caching and chunking cannot change its result.
             if batch.is_decode:
-                out = torch.ops.berth.decode_attention(
+                out = self.paged_attention.decode_attention(
                     q, kv_cache, batch.kv_indices, batch.seq_lens, self.scale
                 )
             else:
-                out = torch.ops.berth.extend_attention(
+                out = self.paged_attention.extend_attention(
                     q,
                     kv_cache,
                     batch.kv_indices,
@@ -420,7 +423,15 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, RMSNorm):
                 module.use_cpu_kernel = True
             elif isinstance(module, LlamaAttention):
-                module.use_cpu_attention = attention
+                module.paged_attention = torch.ops.berth if attention else None
+
+    def enable_triton_attention(self) -> None:
+        """Run attention on the Triton paged kernels (`kernels.triton_attention`: CUDA, or CPU
+        tensors under Triton's interpreter), which read K/V in place as the CPU kernels do."""
+        from berth_runtime.kernels import triton_attention
+
+        for layer in self.layers:
+            layer.self_attn.paged_attention = triton_attention
 
     @torch.inference_mode()
     def prepack_cpu_linears(self) -> None:
@@ -447,7 +458,7 @@ class LlamaForCausalLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             int4 = [getattr(p, "berth_int4", None) for p in projections]
-            if not attn.use_cpu_attention or not self.norm.use_cpu_kernel:
+            if attn.paged_attention is not torch.ops.berth or not self.norm.use_cpu_kernel:
                 return False
             if any(w is None for w in int4) or any(p.bias is not None for p in projections):
                 return False

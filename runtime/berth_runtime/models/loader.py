@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from berth_runtime.server_args import BUILTIN_MODEL
 
@@ -29,6 +30,9 @@ _ARCH_BY_MODEL_TYPE = {
 }
 
 
+LoadFormat = Literal["auto", "dummy"]  # --load-format
+
+
 class ModelSourceError(ValueError):
     """`--model` names something that cannot be served; the message says what to fix."""
 
@@ -37,7 +41,7 @@ class ModelSourceError(ValueError):
 class ResolvedModel:
     """A model ready to load: a Hugging Face directory, and where it came from."""
 
-    path: str  # directory with config.json, *.safetensors and the tokenizer
+    path: str  # directory with config.json, *.safetensors (unless dummy) and the tokenizer
     source: str  # what the user asked for
 
 
@@ -62,7 +66,9 @@ def default_cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "berth"
 
 
-def resolve_model(model: str, cache_dir: str | None = None) -> ResolvedModel:
+def resolve_model(
+    model: str, cache_dir: str | None = None, load_format: LoadFormat = "auto"
+) -> ResolvedModel:
     """Turn `--model` into a loadable directory; raise ModelSourceError with a one-line reason."""
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     if model == BUILTIN_MODEL:
@@ -79,12 +85,13 @@ def resolve_model(model: str, cache_dir: str | None = None) -> ResolvedModel:
             path = convert_gguf(local, cache)
         else:
             path = local
-    check_model_dir(path)
+    check_model_dir(path, load_format)
     return ResolvedModel(path=str(path), source=model)
 
 
-def check_model_dir(path: Path) -> None:
-    """Fail fast, with a clear reason, on directories we cannot load."""
+def check_model_dir(path: Path, load_format: LoadFormat = "auto") -> None:
+    """Fail fast, with a clear reason, on directories we cannot load (with `dummy`, weights are
+    random in the config's shapes: the directory needs no weight files)."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelSourceError(f"{path} has no config.json: not a Hugging Face model directory")
@@ -100,7 +107,7 @@ def check_model_dir(path: Path) -> None:
             f"unsupported architecture {architectures or 'unknown'} in {config_file}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    if not list(path.glob("*.safetensors")):
+    if load_format == "auto" and not list(path.glob("*.safetensors")):
         raise ModelSourceError(f"{path} has no *.safetensors weight files")
 
 

@@ -8,6 +8,7 @@ import torch
 from berth_runtime.io_struct import AbortReq, TokenizedGenerateReqInput
 from berth_runtime.managers.scheduler import Scheduler
 from berth_runtime.mem_cache.kv_pool import ReqToTokenPool, TokenToKVPool
+from berth_runtime.model_executor.forward_batch import ForwardBatch
 from berth_runtime.sampling_params import SamplingParams
 from berth_runtime.server_args import ServerArgs
 
@@ -32,6 +33,13 @@ class CountingRunner:
         assert int(batch.out_cache_loc.min()) > 0
         self.batches.append((batch.is_decode, batch.batch_size, int(batch.input_ids.numel())))
         return batch.input_ids.float()[:, None]
+
+    def forward_decode(self, input_ids, cached_lens, out_cache_loc, req_rows):
+        table = self.req_to_token_pool.req_to_token
+        batch = ForwardBatch.decode(
+            input_ids, cached_lens, out_cache_loc, req_rows, table, self.device
+        )
+        return self.forward(batch)
 
     def decode_matches_prefill(self, batch_size):
         return self.exact_decode

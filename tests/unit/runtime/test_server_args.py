@@ -59,6 +59,13 @@ def test_invalid_choice_is_rejected_by_argparse():
         parse("--dtype", "int3")
 
 
+def test_load_format_is_auto_or_dummy():
+    assert parse().load_format == "auto"
+    assert parse("--load-format", "dummy").load_format == "dummy"
+    with pytest.raises(SystemExit):
+        parse("--load-format", "pt")
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
