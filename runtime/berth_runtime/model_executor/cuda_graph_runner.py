@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 _INPUT_IDS, _POSITIONS, _SEQ_LENS, _REQ_ROWS = range(4)
 # What a padding row holds in each: token 0 at position 0 (one slot long) of request row 0.
 _PADDING = (0, 0, 1, 0)
+_PADDING_COLUMN = np.array(_PADDING, dtype=np.int64)[:, None]  # made once, not per step
 
 
 def graph_buckets(max_bs: int) -> list[int]:
@@ -103,7 +104,7 @@ class DecodeGraphRunner:
         host[_POSITIONS, :batch_size] = cached_lens
         host[_SEQ_LENS, :batch_size] = host[_POSITIONS, :batch_size] + 1
         host[_REQ_ROWS, :batch_size] = req_rows
-        host[:, batch_size:bucket] = np.array(_PADDING)[:, None]
+        host[:, batch_size:bucket] = _PADDING_COLUMN
         self.inputs[:, :bucket].copy_(self.host[:, :bucket], non_blocking=True)
         self.out_cache_loc[:batch_size].copy_(out_cache_loc, non_blocking=True)
         self.out_cache_loc[batch_size:bucket].zero_()  # the padding slot
