@@ -94,6 +94,10 @@ bench-tokenizer: install ## Templating + tokenizing: event loop vs worker thread
 bench-same-answer: install ## Same answer: per-token prefill attention, exact top logits, bf16 short extends vs the old paths
 	$(BIN)/python -m benchmarks.same_answer $(BENCH_ARGS)
 
+.PHONY: gpu-check
+gpu-check: ## On a GPU machine, offline: GPU tests, greedy parity with HF, throughput table (WHEELS=dir from hack/gpu-check/wheels.sh)
+	PYTHON=$(PYTHON) WHEELS=$(or $(WHEELS),.whl) hack/gpu-check/run.sh $(GPU_CHECK_ARGS)
+
 ##@ Router
 .PHONY: bench-router
 bench-router: install ## Router: added latency vs a direct rank; cache_aware vs round_robin prefix-cache hit rate
