@@ -157,14 +157,14 @@ def teacher_forced_logprobs(model: Any, ids: list[int], answer: list[int]) -> li
     return [float(scores[i, t]) for i, t in enumerate(answer)]
 
 
-def berth_answer(base_url: str, question: str) -> dict[str, Any]:
+def berth_answer(base_url: str, question: str, logprobs: bool) -> dict[str, Any]:
     """One greedy chat request through the OpenAI endpoint, as a user sends it."""
     body = {
         "model": "smollm2-135m-instruct",
         "messages": [{"role": "user", "content": question}],
         "max_tokens": PARITY_TOKENS,
         "temperature": 0,
-        "logprobs": True,
+        "logprobs": logprobs,
     }
     resp = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=300, trust_env=False)
     resp.raise_for_status()
@@ -190,7 +190,10 @@ def check_parity(device: str) -> dict[str, Any]:
     args = ["--device", device, "--dtype", dtype]
     with berth_server("serve", *args, name="gpu-check-parity") as srv:
         srv.wait_ready(timeout=600)
-        answers = [berth_answer(srv.base_url, q) for q in PARITY_QUESTIONS]
+        # Plain requests first, as users send them (on a GPU their tokens come straight from the
+        # decode graph's argmax); then again with logprobs, which the sampler computes.
+        answers = [berth_answer(srv.base_url, q, logprobs=False) for q in PARITY_QUESTIONS]
+        scored = [berth_answer(srv.base_url, q, logprobs=True) for q in PARITY_QUESTIONS]
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device)
     hf.eval()
@@ -199,7 +202,7 @@ def check_parity(device: str) -> dict[str, Any]:
         reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         reference = reference.to(device).eval()
     rows = []
-    for question, answer in zip(PARITY_QUESTIONS, answers):
+    for question, answer, with_logprobs in zip(PARITY_QUESTIONS, answers, scored):
         ids = chat_ids(tokenizer, [{"role": "user", "content": question}])
         expected = hf_greedy(hf, ids, PARITY_TOKENS, eos)
         hf_text = tokenizer.decode(expected["ids"], skip_special_tokens=True)
@@ -207,11 +210,12 @@ def check_parity(device: str) -> dict[str, Any]:
             "question": question,
             "berth": answer["text"],
             "hf": hf_text,
-            "equal": answer["text"] == hf_text,
+            # Asking for logprobs must not change the answer either.
+            "equal": answer["text"] == hf_text == with_logprobs["text"],
         }
         if reference is not None:
             fp32 = teacher_forced_logprobs(reference, ids, expected["ids"])
-            row["berth_logprob_dev"] = _max_deviation(answer["logprobs"], fp32)
+            row["berth_logprob_dev"] = _max_deviation(with_logprobs["logprobs"], fp32)
             row["hf_logprob_dev"] = _max_deviation(expected["logprobs"], fp32)
         rows.append(row)
     return {"dtype": dtype, "max_tokens": PARITY_TOKENS, "prompts": rows}

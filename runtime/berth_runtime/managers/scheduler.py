@@ -190,7 +190,7 @@ class Scheduler:
             if drafts is not None:
                 return self._execute_verify(reqs, drafts)
             slots = self.kv.alloc_decode(reqs)
-            hidden = self.runner.forward_decode(
+            decoded = self.runner.forward_decode(
                 [r.output_ids[-1] for r in reqs],
                 [r.kv_len for r in reqs],
                 slots,
@@ -201,7 +201,8 @@ class Scheduler:
                 if exact and r.exact_len == r.kv_len:
                     r.exact_len += 1
                 r.kv_len += 1
-            return StepResult(reqs, self._sample(reqs, hidden))
+            sampled = sample_rows(decoded.logits, reqs, self.eos_token_ids, decoded.greedy_ids)
+            return StepResult(reqs, sampled)
 
         entries = batch.entries
         slots = self.kv.alloc_extend([(e.req, e.start, e.end) for e in entries])
@@ -216,6 +217,7 @@ class Scheduler:
             [e.req.req_row for e in entries],
             self.kv.req_to_token.req_to_token,
             self.device,
+            with_mask=self.runner.needs_attn_mask,
         )
         hidden = self.runner.forward(forward)
         row_start = 0
@@ -277,6 +279,7 @@ class Scheduler:
             self.kv.req_to_token.req_to_token,
             self.device,
             verify=True,
+            with_mask=self.runner.needs_attn_mask,
         )
         picked = self.runner.compute_logits(self.runner.forward(forward)).max(dim=-1)
         greedy = picked.indices.tolist()

@@ -15,7 +15,9 @@ so they never touch a real row, and their outputs are dropped.
 Without `capture` the runner runs the same steps eagerly through the same buffers and padding:
 how CI tests this bookkeeping without a GPU (its outputs equal the plain decode path's).
 Graphs need attention that reads K/V in place with no host sync (`triton` on CUDA, `berth_cpu`
-in those tests); the sampler runs after the graph, on its output.
+in those tests). The graph ends with the lm_head (exact top logits included) and greedy's argmax:
+a batch of plain greedy requests takes its tokens straight from the graph, any other sampling
+runs after it on the graph's logits.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 
 from berth_runtime.mem_cache.kv_pool import TokenToKVPool
-from berth_runtime.model_executor.forward_batch import ForwardBatch
+from berth_runtime.model_executor.forward_batch import DecodeLogits, ForwardBatch
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +73,7 @@ class DecodeGraphRunner:
         self.out_cache_loc = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.row_index = torch.arange(max_bs, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, DecodeLogits] = {}
         # Set after each step's copy: the next step must not refill the pinned buffer before
         # the device has read it.
         self.copied: torch.cuda.Event | None = torch.cuda.Event() if capture else None
@@ -92,9 +94,10 @@ class DecodeGraphRunner:
         cached_lens: list[int],
         out_cache_loc: torch.Tensor,
         req_rows: list[int],
-    ) -> torch.Tensor:
-        """Final hidden states [B, hidden] of a decode step: one new token after the
-        `cached_lens[b]` tokens of each sequence, written to KV slot `out_cache_loc[b]`."""
+    ) -> DecodeLogits:
+        """Logits and greedy tokens of a decode step: one new token after the `cached_lens[b]`
+        tokens of each sequence, written to KV slot `out_cache_loc[b]`. Views of the graph's
+        output buffers: valid until the next step (the sampler may change them in place)."""
         batch_size = len(input_ids)
         bucket = self.bucket(batch_size)
         if self.copied is not None:
@@ -112,14 +115,15 @@ class DecodeGraphRunner:
             self.copied.record()
         if bucket in self.graphs:
             self.graphs[bucket].replay()
-            hidden = self.outputs[bucket]
+            out = self.outputs[bucket]
         else:
-            hidden = self._forward(bucket)
-        # A copy: the graph's output buffer is overwritten by the next replay.
-        return hidden[:batch_size].clone()
+            out = self._forward(bucket)
+        assert out.greedy_ids is not None
+        return DecodeLogits(out.logits[:batch_size], out.greedy_ids[:batch_size])
 
-    def _forward(self, bucket: int) -> torch.Tensor:
-        """The model over the first `bucket` rows of the static buffers (what a graph holds)."""
+    def _forward(self, bucket: int) -> DecodeLogits:
+        """The model, its lm_head and greedy's argmax over the first `bucket` rows of the static
+        buffers (what a graph holds)."""
         input_ids, positions, seq_lens, req_rows = (row[:bucket] for row in self.inputs)
         batch = ForwardBatch(
             input_ids=input_ids,
@@ -131,7 +135,9 @@ class DecodeGraphRunner:
             is_decode=True,
             seq_lens=seq_lens,
         )
-        return self.model(batch, self.kv_pool)
+        logits = self.model.compute_logits(self.model(batch, self.kv_pool))
+        # max().indices, like argmax, takes the first maximum: what the sampler's greedy takes.
+        return DecodeLogits(logits, logits.max(dim=-1).indices)
 
     def _capture(self) -> None:
         """One graph per bucket, largest first (the smaller ones reuse its memory pool), each

@@ -1,10 +1,14 @@
-"""ForwardBatch: the tensors of one model step (tokens, positions, KV slots, attention mask)."""
+"""ForwardBatch: the tensors of one model step (tokens, positions, KV slots, attention mask), and
+DecodeLogits, what a decode step hands the sampler."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from berth_runtime.model_executor.host_inputs import upload
 
 
 @dataclass
@@ -51,20 +55,31 @@ class ForwardBatch:
         req_rows: list[int],
         req_to_token: torch.Tensor,
         device: torch.device,
+        with_mask: bool = True,
     ) -> ForwardBatch:
-        """A decode step: one new token after the `cached_lens[b]` tokens of each sequence."""
-        batch_size = len(input_ids)
-        seq_lens = [n + 1 for n in cached_lens]
-        kv_indices = _kv_indices(req_rows, max(seq_lens), req_to_token, device)
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64, device=device)
-        key_pos = torch.arange(kv_indices.shape[1], device=device)
+        """A decode step: one new token after the `cached_lens[b]` tokens of each sequence
+        (`with_mask`: build the attention mask, which only SDPA reads)."""
+        seq_lens = np.asarray(cached_lens, dtype=np.int64) + 1
+        ids, positions, seq_lens_t, rows = upload(
+            device,
+            np.asarray(input_ids, dtype=np.int64),
+            seq_lens - 1,
+            seq_lens,
+            np.asarray(req_rows, dtype=np.int64),
+        )
+        max_len = int(seq_lens.max())
+        kv_indices = req_to_token[rows, :max_len]
+        mask = None
+        if with_mask:
+            key_pos = torch.arange(max_len, device=device)
+            mask = (key_pos[None, :] < seq_lens_t[:, None])[:, None, None, :]
         return cls(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-            positions=seq_lens_t - 1,
+            input_ids=ids,
+            positions=positions,
             out_cache_loc=out_cache_loc,
             kv_indices=kv_indices,
-            attn_mask=(key_pos[None, :] < seq_lens_t[:, None])[:, None, None, :],
-            last_token_index=torch.arange(batch_size, device=device),
+            attn_mask=mask,
+            last_token_index=torch.arange(len(input_ids), device=device),
             is_decode=True,
             seq_lens=seq_lens_t,
         )
@@ -80,46 +95,61 @@ class ForwardBatch:
         req_to_token: torch.Tensor,
         device: torch.device,
         verify: bool = False,
+        with_mask: bool = True,
     ) -> ForwardBatch:
         """A prefill (extend) step: `extend_lens[b]` new tokens after `prefix_lens[b]` cached
         ones. One new token per sequence is still an extend, not a decode: the two may run on
         different weights (see `models.llama.run_linear`), unless `verify` (speculative drafts:
-        each token computed as decoding it would)."""
-        batch_size = len(extend_lens)
-        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-        max_len = max(seq_lens)
-        kv_indices = _kv_indices(req_rows, max_len, req_to_token, device)
-        key_pos = torch.arange(max_len, device=device)
-        extend_t = torch.tensor(extend_lens, dtype=torch.int64, device=device)
-        prefix_t = torch.tensor(prefix_lens, dtype=torch.int64, device=device)
-        query_batch_index = torch.repeat_interleave(
-            torch.arange(batch_size, device=device), extend_t
+        each token computed as decoding it would). `with_mask`: build the attention mask, which
+        only SDPA reads."""
+        extend = np.asarray(extend_lens, dtype=np.int64)
+        prefix = np.asarray(prefix_lens, dtype=np.int64)
+        seq_lens = prefix + extend
+        ends = np.cumsum(extend)
+        query_batch_index = np.repeat(np.arange(len(extend), dtype=np.int64), extend)
+        query_pos_index = (
+            np.arange(len(input_ids), dtype=np.int64) - (ends - extend)[query_batch_index]
         )
-        starts = torch.cumsum(extend_t, 0) - extend_t
-        query_pos_index = torch.arange(len(input_ids), device=device) - starts[query_batch_index]
-        positions = prefix_t[query_batch_index] + query_pos_index
-        max_extend = max(extend_lens)
-        q_pos = prefix_t[:, None] + torch.arange(max_extend, device=device)[None, :]  # [B, Q]
-        attn_mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, L], causal incl. prefix
-        attn_mask[:, :, 0] = True  # padded query rows must attend somewhere (results are dropped)
+        positions = prefix[query_batch_index] + query_pos_index
+        ids, positions_t, seq_lens_t, rows, batch_index, pos_index, last, prefix_t = upload(
+            device,
+            np.asarray(input_ids, dtype=np.int64),
+            positions,
+            seq_lens,
+            np.asarray(req_rows, dtype=np.int64),
+            query_batch_index,
+            query_pos_index,
+            ends - 1,
+            prefix,
+        )
+        max_len = int(seq_lens.max())
+        mask = None
+        if with_mask:
+            key_pos = torch.arange(max_len, device=device)
+            q_pos = prefix_t[:, None] + torch.arange(int(extend.max()), device=device)[None, :]
+            mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, L], causal incl. prefix
+            mask[:, :, 0] = True  # padded query rows must attend somewhere (results are dropped)
+            mask = mask[:, None]
         return cls(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-            positions=positions,
+            input_ids=ids,
+            positions=positions_t,
             out_cache_loc=out_cache_loc,
-            kv_indices=kv_indices,
-            attn_mask=attn_mask[:, None],
-            last_token_index=torch.cumsum(extend_t, 0) - 1,
+            kv_indices=req_to_token[rows, :max_len],
+            attn_mask=mask,
+            last_token_index=last,
             is_decode=False,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-            query_batch_index=query_batch_index,
-            query_pos_index=query_pos_index,
-            query_lens=positions + 1,
+            seq_lens=seq_lens_t,
+            query_batch_index=batch_index,
+            query_pos_index=pos_index,
+            query_lens=positions_t + 1,
             verify=verify,
         )
 
 
-def _kv_indices(
-    req_rows: list[int], max_len: int, req_to_token: torch.Tensor, device: torch.device
-) -> torch.Tensor:
-    rows = torch.tensor(req_rows, dtype=torch.int64, device=device)
-    return req_to_token[rows, :max_len]
+@dataclass
+class DecodeLogits:
+    """A decode step's fp32 scores [B, V], and its greedy tokens [B] where the step computed
+    them (a CUDA graph's last op); the sampler may change `logits` in place."""
+
+    logits: torch.Tensor
+    greedy_ids: torch.Tensor | None = None

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from torch import nn
 from transformers import AutoConfig
 
 from berth_runtime.kernels import cpu as cpu_kernels
@@ -25,7 +27,7 @@ from berth_runtime.model_executor.device import (
     resolve_device,
     triton_problem,
 )
-from berth_runtime.model_executor.forward_batch import ForwardBatch
+from berth_runtime.model_executor.forward_batch import DecodeLogits, ForwardBatch
 from berth_runtime.models.dummy_weights import DEFAULT_INIT_STD, init_dummy_weights
 from berth_runtime.models.gguf_q4 import can_run_int4
 from berth_runtime.models.llama import MODEL_CLASSES, can_prepack_cpu_linears
@@ -111,7 +113,7 @@ class ModelRunner:
         self.vocab_size = int(self.config.vocab_size)
 
         start = time.perf_counter()
-        with torch.device("meta"):
+        with torch.device("meta"), _no_param_init():
             model = model_cls(self.config, max_positions=self.context_len)
         model = model.to_empty(device=self.device).to(self.dtype)
         # Buffers (rotary tables) were on meta: rebuild them on the real device.
@@ -143,6 +145,8 @@ class ModelRunner:
             model, args.attention_backend, args.model_cache_dir
         )
         self.fused_decode = model.enable_fused_decode()  # needs berth_cpu: checks it itself
+        # Only SDPA reads an attention mask; paged kernels take each sequence's length.
+        self.needs_attn_mask = model.layers[0].self_attn.paged_attention is None
         self.model = model.eval()
         self.load_time_s = time.perf_counter() - start
 
@@ -270,10 +274,10 @@ class ModelRunner:
         cached_lens: list[int],
         out_cache_loc: torch.Tensor,
         req_rows: list[int],
-    ) -> torch.Tensor:
-        """Final hidden states [B, hidden] of a decode step (one new token after the
-        `cached_lens[b]` tokens of each sequence): replayed from a CUDA graph where one holds
-        the batch, else run eagerly."""
+    ) -> DecodeLogits:
+        """Scores [B, V] of a decode step (one new token after the `cached_lens[b]` tokens of
+        each sequence): replayed from a CUDA graph, greedy tokens included, where one holds the
+        batch, else run eagerly."""
         graphs = self.graph_runner
         if graphs is not None and len(input_ids) <= graphs.max_bs:
             return graphs.run(input_ids, cached_lens, out_cache_loc, req_rows)
@@ -284,13 +288,29 @@ class ModelRunner:
             req_rows,
             self.req_to_token_pool.req_to_token,
             self.device,
+            with_mask=self.needs_attn_mask,
         )
-        return self.model(batch, self.kv_pool)
+        return DecodeLogits(self.compute_logits(self.model(batch, self.kv_pool)))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 vocab scores [rows, V]; each row's leading candidates are exact (see
         `models.llama.exact_top_logits`)."""
         return self.model.compute_logits(hidden)
+
+
+@contextlib.contextmanager
+def _no_param_init() -> Iterator[None]:
+    """Layers built on the meta device skip their random init: it computes nothing there (the
+    weights are loaded or drawn afterwards), and its first meta op imports torch._dynamo and
+    Triton (about 45 MB of the scheduler's memory and 1 s of its start)."""
+    saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
+    try:
+        for cls in saved:
+            cls.reset_parameters = lambda self: None  # type: ignore[method-assign]
+        yield
+    finally:
+        for cls, reset in saved.items():
+            cls.reset_parameters = reset  # type: ignore[method-assign]
 
 
 def _iter_weights(model_path: str, progress: LoadProgress | None):

@@ -39,14 +39,21 @@ class SampleOutput:
 
 
 def sample_rows(
-    logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: set[int]
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    eos_token_ids: set[int],
+    greedy_ids: torch.Tensor | None = None,
 ) -> SampleOutput:
     """Next tokens for fp32 `logits` [B, V] of `rows` (modified in place where a row asks for a
     grammar, bias, penalties or min_tokens). Logprobs are those of the model, before any
     processing, except that a constrained row's are over what its grammar allows: the
-    distribution its token was really drawn from."""
+    distribution its token was really drawn from. `greedy_ids`, each row's first maximum when
+    the step computed it (a CUDA graph), are taken as they are when every row is plain greedy
+    with no grammar."""
     none: list = [None] * len(rows)
     matchers = [r.matcher for r in rows]
+    if greedy_ids is not None and all(plain_greedy(r) and r.matcher is None for r in rows):
+        return SampleOutput(greedy_ids.tolist(), none, list(none))
     if any(m is not None for m in matchers):
         from berth_runtime.constrained.grammar import apply_grammars
 

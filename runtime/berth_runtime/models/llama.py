@@ -173,7 +173,10 @@ def rope_inv_freq(config) -> torch.Tensor:
     params = {**scaling, **params}
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     head_dim = _head_dim(config)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    # On the CPU explicitly, also under a `torch.device("meta")` context: meta's arange is a
+    # Python decomposition whose first use imports torch._dynamo and Triton (45 MB, about 1 s).
+    even = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu")
+    inv_freq = 1.0 / (theta ** (even / head_dim))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "linear":
         inv_freq = inv_freq / params["factor"]
@@ -201,7 +204,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(config)
-        t = torch.arange(max_positions, dtype=torch.float32)
+        t = torch.arange(max_positions, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)

@@ -1,7 +1,8 @@
 """The decode graph runner (`model_executor.cuda_graph_runner`): its buckets, and its bookkeeping
 (padding to a bucket, static buffers, the slot table gathered inside the step) through its eager
-replay on CPU: the same hidden states and K/V as the plain decode path, bit for bit. On a GPU
-(marked gpu), captured graphs replay what the same steps compute eagerly."""
+replay on CPU: the same logits and K/V as the plain decode path, bit for bit, and greedy's tokens
+from inside the step. On a GPU (marked gpu), captured graphs replay what the same steps compute
+eagerly."""
 
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ def test_a_batch_beyond_the_largest_bucket_is_refused(runner):
 @pytest.mark.parametrize("batch_size", [1, 3, 5, 9])
 def test_eager_replay_equals_the_plain_decode(runner, batch_size):
     """Ragged sequences decode three steps both ways on the same cache (padded to 1, 4, 8 and
-    16 rows): the same hidden states, the same K/V in their slots, and nothing written
-    anywhere else but the padding slot."""
+    16 rows): the same logits, greedy's first maxima among them, the same K/V in their slots,
+    and nothing written anywhere else but the padding slot."""
     table = runner.req_to_token_pool.req_to_token
     graphs = DecodeGraphRunner(runner.model, runner.kv_pool, table, MAX_BS, capture=False)
     runner.kv_pool.clear()
@@ -59,13 +60,15 @@ def test_eager_replay_equals_the_plain_decode(runner, batch_size):
         slots = runner.kv_pool.alloc(batch_size)
         table[torch.tensor(rows), torch.tensor(lens)] = slots
         plain = runner.forward(ForwardBatch.decode(feed, lens, slots, rows, table, runner.device))
+        plain_logits = runner.compute_logits(plain)
         after_plain = kv.clone()
         kv[:, slots] = 0
         replayed = graphs.run(feed, lens, slots, rows)
-        assert torch.equal(replayed, plain)
+        assert torch.equal(replayed.logits, plain_logits)
         changed = (kv != after_plain).flatten(2).any(-1).any(0).nonzero().flatten().tolist()
         assert set(changed) <= {0}, f"slots other than the padding slot changed: {changed}"
-        feed = runner.compute_logits(plain).argmax(-1).tolist()
+        feed = plain_logits.argmax(-1).tolist()
+        assert replayed.greedy_ids.tolist() == feed
         lens = [n + 1 for n in lens]
 
 
@@ -88,8 +91,10 @@ def test_forward_decode_takes_the_graphs_up_to_their_largest_bucket(runner, monk
         slots = runner.kv_pool.alloc(batch_size)
         rows = list(range(1, batch_size + 1))
         table[torch.tensor(rows), torch.tensor(lens)] = slots
-        hidden = runner.forward_decode(logits.argmax(-1).tolist(), lens, slots, rows)
-        assert hidden.shape == (batch_size, runner.config.hidden_size)
+        decoded = runner.forward_decode(logits.argmax(-1).tolist(), lens, slots, rows)
+        assert decoded.logits.shape == (batch_size, runner.config.vocab_size)
+        # Greedy's tokens come from the graph's step; an eager step leaves them to the sampler.
+        assert (decoded.greedy_ids is None) == (batch_size > 2)
     assert replayed == [1, 2]  # the batch of 3 ran eagerly
 
 
@@ -113,5 +118,7 @@ def test_captured_graphs_replay_the_eager_steps():
         slots = gpu.kv_pool.alloc(batch_size)
         table[torch.tensor(rows, device="cuda"), torch.tensor(lens, device="cuda")] = slots
         replayed = graphs.run(feed, lens, slots, rows)
+        replayed_logits, replayed_greedy = replayed.logits.clone(), replayed.greedy_ids.clone()
         expected = eager.run(feed, lens, slots, rows)
-        torch.testing.assert_close(replayed, expected, rtol=0, atol=0)
+        torch.testing.assert_close(replayed_logits, expected.logits, rtol=0, atol=0)
+        assert torch.equal(replayed_greedy, expected.greedy_ids)

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from berth_runtime.model_executor.sampler import SamplingBatchInfo, apply_penalties, sample
+from berth_runtime.model_executor.sampler import (
+    SamplingBatchInfo,
+    apply_penalties,
+    sample,
+    sample_rows,
+)
 from berth_runtime.sampling_params import SamplingParams
 
 VOCAB = 8
@@ -22,6 +29,36 @@ def test_greedy_rows_take_argmax_in_a_mixed_batch():
         SamplingParams(temperature=1.0, top_k=1),
     ]
     assert sample(logits.clone(), info(params)).tolist() == [1, 1]
+
+
+@dataclass
+class Row:
+    """What `sample_rows` reads of a request."""
+
+    sampling_params: SamplingParams
+    generator: torch.Generator | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    origin_input_ids: list[int] = field(default_factory=lambda: [1])
+    matcher: object = None
+
+
+def test_greedy_tokens_computed_by_the_step_are_taken_only_for_plain_greedy_rows():
+    """A CUDA graph's argmax stands for the sampler's only when every row is plain greedy: a row
+    asking for logprobs, or a sampled one, makes the sampler read the logits itself."""
+    logits = torch.tensor([[0.0, 5, 1, 0, 0, 0, 0, 0], [0.0, 1, 5, 0, 0, 0, 0, 0]])
+    from_step = torch.tensor([3, 4])  # not the logits' argmax: shows which source was read
+    greedy = SamplingParams(temperature=0.0).normalized()
+    plain = [Row(greedy), Row(greedy)]
+    assert sample_rows(logits.clone(), plain, set(), from_step).token_ids == [3, 4]
+    assert sample_rows(logits.clone(), plain, set()).token_ids == [1, 2]
+    with_logprobs = [Row(greedy), Row(greedy, return_logprob=True)]
+    out = sample_rows(logits.clone(), with_logprobs, set(), from_step)
+    assert out.token_ids == [1, 2] and out.logprobs[1] is not None
+    sampled = [Row(greedy), Row(SamplingParams(temperature=1.0, top_k=2))]
+    first, second = sample_rows(logits.clone(), sampled, set(), from_step).token_ids
+    assert first == 1 and second in (1, 2)
 
 
 def test_top_k_never_samples_outside_the_top_k():

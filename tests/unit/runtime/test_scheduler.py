@@ -8,7 +8,7 @@ import torch
 from berth_runtime.io_struct import AbortReq, TokenizedGenerateReqInput
 from berth_runtime.managers.scheduler import Scheduler
 from berth_runtime.mem_cache.kv_pool import ReqToTokenPool, TokenToKVPool
-from berth_runtime.model_executor.forward_batch import ForwardBatch
+from berth_runtime.model_executor.forward_batch import DecodeLogits, ForwardBatch
 from berth_runtime.sampling_params import SamplingParams
 from berth_runtime.server_args import ServerArgs
 
@@ -27,6 +27,7 @@ class CountingRunner:
         self.req_to_token_pool = ReqToTokenPool(max_reqs, context_len + 1, self.device)
         self.batches: list[tuple[bool, int, int]] = []  # (is_decode, batch size, new tokens)
         self.exact_decode = True  # decode K/V equal a prefill's (see decode_matches_prefill)
+        self.needs_attn_mask = True
 
     def forward(self, batch):
         # Every token's slot must be a real, allocated slot (never the padding slot 0).
@@ -39,7 +40,7 @@ class CountingRunner:
         batch = ForwardBatch.decode(
             input_ids, cached_lens, out_cache_loc, req_rows, table, self.device
         )
-        return self.forward(batch)
+        return DecodeLogits(self.compute_logits(self.forward(batch)))
 
     def decode_matches_prefill(self, batch_size):
         return self.exact_decode
