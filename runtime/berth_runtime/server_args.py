@@ -87,6 +87,15 @@ class ServerArgs(DataclassCli):
             "(default: --max-running-requests)."
         },
     )
+    disable_overlap_schedule: bool = field(
+        default=False,
+        metadata={
+            "help": "With CUDA graphs, a decode step of plain greedy requests is launched before "
+            "the previous step's tokens are read back (they feed it on the device), so the host "
+            "streams and checks one step's tokens while the GPU runs the next (SGLang's overlap "
+            "scheduler). This flag reads each step's tokens before launching the next."
+        },
+    )
     enable_deterministic_inference: bool = field(
         default=False,
         metadata={

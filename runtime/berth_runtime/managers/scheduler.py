@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from berth_runtime.constrained.grammar import GrammarCompiler, GrammarError, Matcher
@@ -24,7 +25,8 @@ from berth_runtime.managers.output_processor import OutputProcessor
 from berth_runtime.managers.schedule_batch import Req
 from berth_runtime.managers.schedule_policy import BatchPlan, DecodeBatch, SchedulePolicy
 from berth_runtime.mem_cache.kv_manager import KVManager
-from berth_runtime.model_executor.forward_batch import ForwardBatch
+from berth_runtime.model_executor.forward_batch import DecodeLogits, ForwardBatch
+from berth_runtime.model_executor.host_inputs import upload
 from berth_runtime.model_executor.sampler import (
     SampleOutput,
     plain_greedy,
@@ -48,12 +50,36 @@ class StepResult:
     verified: list[list[int]] | None = None
 
 
+@dataclass
+class LaunchedDecode:
+    """A decode step running on the device whose tokens the host has not read yet (the overlap
+    scheduler): its requests, their new tokens on the device (the next step's inputs), and a
+    host copy of them on its way."""
+
+    reqs: list[Req]
+    token_ids: torch.Tensor
+    host_ids: torch.Tensor
+    copied: torch.cuda.Event | None
+
+    def tokens(self) -> list[int]:
+        """The step's tokens, once the device has computed and copied them."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host_ids.tolist()
+
+
 class Scheduler:
     """Continuous batching over a ModelRunner; owns every `Req` from arrival to finish.
 
     `step()` is one unit of work: the policy picks a prefill (extend) or a decode batch, the model
     runs it and the sampler picks tokens, then the outputs are updated and packed. Requests join
     between steps and leave as soon as they finish.
+
+    With CUDA graphs, decode overlaps (SGLang's overlap scheduler): while the requests are plain
+    greedy and nothing waits, a step launches the next decode from the current one's tokens on
+    the device, then reads the current one back and takes its tokens, so the host's work on one
+    step's tokens runs while the GPU computes the next. A request that finishes on a step has
+    had its next token computed already: that token is dropped with its KV slot.
     """
 
     def __init__(
@@ -84,6 +110,8 @@ class Scheduler:
         self.speculate = args.speculative_algorithm == "ngram"
         self.num_draft_tokens = args.speculative_num_draft_tokens
         self.speculative_max_batch = args.speculative_max_batch
+        self.overlap = not (args.disable_overlap_schedule or self.speculate)
+        self.launched: LaunchedDecode | None = None  # a decode step not read back yet
 
     # --- inputs ------------------------------------------------------------------------------
 
@@ -147,7 +175,7 @@ class Scheduler:
                 self._finish_abort(req, msg.message, msg.status_code)
 
     def handle_flush_cache(self, _: FlushCacheReq) -> FlushCacheOut:
-        if self.policy.is_busy():
+        if self.policy.is_busy() or self.launched is not None:
             return FlushCacheOut(success=False, message="the scheduler is busy; retry when idle")
         self.kv.flush()
         return FlushCacheOut(success=True)
@@ -166,7 +194,8 @@ class Scheduler:
 
     @property
     def is_idle(self) -> bool:
-        return not (self.policy.is_busy() or self.finished_unsent or self.grammar_queue)
+        busy = self.policy.is_busy() or self.launched is not None
+        return not (busy or self.finished_unsent or self.grammar_queue)
 
     @property
     def only_compiling(self) -> bool:
@@ -177,9 +206,83 @@ class Scheduler:
         """Run one batch; return what advanced (None when there was nothing to do)."""
         if self.grammar_queue:
             self._admit_compiled()
+        if self.launched is not None:
+            return self._step_overlapped()
         batch = self.policy.next_batch()
+        if isinstance(batch, DecodeBatch) and self._can_overlap(batch.reqs):
+            self.launched = self._launch_decode(batch.reqs, [r.output_ids[-1] for r in batch.reqs])
+            return self._update(None, None)
         result = self._execute(batch) if batch is not None else None
         return self._update(batch, result)
+
+    # --- overlapped decode (CUDA graphs) -------------------------------------------------------
+
+    def _can_overlap(self, reqs: list[Req]) -> bool:
+        """Whether the next decode step of `reqs` may be launched before the current one's
+        tokens are read back: a graph runs it (its argmax is each request's token, on the
+        device), every request is plain greedy with room left in its context, nothing waits to
+        be scheduled (a prefill needs the host's view of every request), and the pool has a
+        free slot for each request without evicting or retracting."""
+        graphs = getattr(self.runner, "graph_runner", None)
+        return (
+            self.overlap
+            and graphs is not None
+            and len(reqs) <= graphs.max_bs
+            and not (self.policy.waiting or self.policy.chunked_req or self.grammar_queue)
+            and self.kv.available() >= len(reqs)
+            and all(
+                plain_greedy(r) and r.matcher is None and r.kv_len < self.context_len for r in reqs
+            )
+        )
+
+    def _launch_decode(
+        self, reqs: list[Req], input_ids: list[int] | torch.Tensor
+    ) -> LaunchedDecode:
+        """Launch a decode step and start copying its tokens to the host, without waiting."""
+        decoded = self._decode(reqs, input_ids)
+        assert decoded.greedy_ids is not None, "a graph ran the step"
+        token_ids = decoded.greedy_ids.clone()  # the graph's own buffer is the next replay's
+        if not token_ids.is_cuda:
+            return LaunchedDecode(reqs, token_ids, token_ids, None)
+        host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+        host_ids.copy_(token_ids, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return LaunchedDecode(reqs, token_ids, host_ids, copied)
+
+    def _step_overlapped(self) -> BatchOutput | None:
+        """With a decode step in flight: launch the next one from its tokens on the device if
+        it may be, then read the one in flight back and take its tokens (requests aborted
+        meanwhile are skipped: their output has gone already)."""
+        launched, self.launched = self.launched, None
+        assert launched is not None
+        alive = [i for i, r in enumerate(launched.reqs) if not r.finished]
+        reqs = [launched.reqs[i] for i in alive]
+        if reqs and self._can_overlap(reqs):
+            token_ids = launched.token_ids
+            if len(alive) < len(launched.reqs):
+                token_ids = token_ids[upload(token_ids.device, np.array(alive, dtype=np.int64))[0]]
+            self.launched = self._launch_decode(reqs, token_ids)
+        tokens = launched.tokens()
+        none: list = [None] * len(reqs)
+        sampled = SampleOutput([tokens[i] for i in alive], none, list(none))
+        return self._update(DecodeBatch(reqs), StepResult(reqs, sampled))
+
+    def _decode(self, reqs: list[Req], input_ids: list[int] | torch.Tensor) -> DecodeLogits:
+        """Run one decode step of `reqs` (each one's next input token, from the host or still on
+        the device) and advance their KV lengths."""
+        slots = self.kv.alloc_decode(reqs)
+        decoded = self.runner.forward_decode(
+            input_ids, [r.kv_len for r in reqs], slots, [r.req_row for r in reqs]
+        )
+        # K/V of an input still on the device may go with its request (aborted) before its token
+        # is known on the host: it is never shared with the cache.
+        exact = isinstance(input_ids, list) and self.runner.decode_matches_prefill(len(reqs))
+        for r in reqs:
+            if exact and r.exact_len == r.kv_len:
+                r.exact_len += 1
+            r.kv_len += 1
+        return decoded
 
     def _execute(self, batch: BatchPlan) -> StepResult:
         """Run the model over the batch and sample the next token of every request that
@@ -189,18 +292,7 @@ class Scheduler:
             drafts = self._drafts(reqs)
             if drafts is not None:
                 return self._execute_verify(reqs, drafts)
-            slots = self.kv.alloc_decode(reqs)
-            decoded = self.runner.forward_decode(
-                [r.output_ids[-1] for r in reqs],
-                [r.kv_len for r in reqs],
-                slots,
-                [r.req_row for r in reqs],
-            )
-            exact = self.runner.decode_matches_prefill(len(reqs))
-            for r in reqs:
-                if exact and r.exact_len == r.kv_len:
-                    r.exact_len += 1
-                r.kv_len += 1
+            decoded = self._decode(reqs, [r.output_ids[-1] for r in reqs])
             sampled = sample_rows(decoded.logits, reqs, self.eos_token_ids, decoded.greedy_ids)
             return StepResult(reqs, sampled)
 

@@ -107,6 +107,8 @@ def run_scheduler_process(
             "cuda_graph_capture_s": (
                 runner.graph_runner.capture_time_s if runner.graph_runner else 0.0
             ),
+            # Plain greedy decode steps launch before the previous one is read back.
+            "overlap_schedule": scheduler.overlap and runner.graph_runner is not None,
             "deterministic_inference": runner.deterministic,
             "speculative_algorithm": args.speculative_algorithm,
             # Decode steps of at most this many sequences run on the 4-bit weights (0: none do).

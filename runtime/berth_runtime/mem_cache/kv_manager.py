@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from berth_runtime.managers.schedule_batch import Req
 from berth_runtime.mem_cache.kv_pool import ReqToTokenPool, TokenToKVPool
 from berth_runtime.mem_cache.radix_cache import RadixCache
+from berth_runtime.model_executor.host_inputs import upload
 
 
 class KVManager:
@@ -99,8 +101,12 @@ class KVManager:
         """One slot for each request's next position."""
         slots = self.kv_pool.alloc(len(reqs))
         assert slots is not None, "retraction made room"
-        rows = torch.tensor([r.req_row for r in reqs])
-        self.req_to_token.req_to_token[rows, torch.tensor([r.kv_len for r in reqs])] = slots
+        rows, positions = upload(
+            self.kv_pool.device,
+            np.array([r.req_row for r in reqs], dtype=np.int64),
+            np.array([r.kv_len for r in reqs], dtype=np.int64),
+        )
+        self.req_to_token.req_to_token[rows, positions] = slots
         return slots
 
     # --- sharing and release -----------------------------------------------------------------

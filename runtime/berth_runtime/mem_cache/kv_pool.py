@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from berth_runtime.model_executor.host_inputs import upload
+
 
 class TokenToKVPool:
     """K/V storage for `size` tokens across every layer; slot 0 is a padding slot never handed out.
@@ -56,7 +58,7 @@ class TokenToKVPool:
         taken = self.free_mask.nonzero().squeeze(1)[:need]
         self.free_mask[taken] = False
         self.num_free -= need
-        return taken.to(self.device)
+        return upload(self.device, taken.numpy())[0]  # no wait for a step in flight
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():

@@ -90,20 +90,23 @@ class DecodeGraphRunner:
 
     def run(
         self,
-        input_ids: list[int],
+        input_ids: list[int] | torch.Tensor,
         cached_lens: list[int],
         out_cache_loc: torch.Tensor,
         req_rows: list[int],
     ) -> DecodeLogits:
         """Logits and greedy tokens of a decode step: one new token after the `cached_lens[b]`
-        tokens of each sequence, written to KV slot `out_cache_loc[b]`. Views of the graph's
-        output buffers: valid until the next step (the sampler may change them in place)."""
+        tokens of each sequence, written to KV slot `out_cache_loc[b]`. The new tokens come
+        from the host, or from a device tensor (the previous step's, not yet read back: the
+        overlap scheduler). Views of the graph's output buffers: valid until the next step (the
+        sampler may change them in place)."""
         batch_size = len(input_ids)
         bucket = self.bucket(batch_size)
         if self.copied is not None:
             self.copied.synchronize()
         host = self.host_view
-        host[_INPUT_IDS, :batch_size] = input_ids
+        on_device = isinstance(input_ids, torch.Tensor)
+        host[_INPUT_IDS, :batch_size] = 0 if on_device else input_ids
         host[_POSITIONS, :batch_size] = cached_lens
         host[_SEQ_LENS, :batch_size] = host[_POSITIONS, :batch_size] + 1
         host[_REQ_ROWS, :batch_size] = req_rows
@@ -111,6 +114,8 @@ class DecodeGraphRunner:
         self.inputs[:, :bucket].copy_(self.host[:, :bucket], non_blocking=True)
         self.out_cache_loc[:batch_size].copy_(out_cache_loc, non_blocking=True)
         self.out_cache_loc[batch_size:bucket].zero_()  # the padding slot
+        if on_device:
+            self.inputs[_INPUT_IDS, :batch_size].copy_(input_ids)  # after the host copy
         if self.copied is not None:
             self.copied.record()
         if bucket in self.graphs:

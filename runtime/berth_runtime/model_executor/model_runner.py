@@ -270,17 +270,20 @@ class ModelRunner:
 
     def forward_decode(
         self,
-        input_ids: list[int],
+        input_ids: list[int] | torch.Tensor,
         cached_lens: list[int],
         out_cache_loc: torch.Tensor,
         req_rows: list[int],
     ) -> DecodeLogits:
         """Scores [B, V] of a decode step (one new token after the `cached_lens[b]` tokens of
         each sequence): replayed from a CUDA graph, greedy tokens included, where one holds the
-        batch, else run eagerly."""
+        batch, else run eagerly. New tokens still on the device (the previous step's, under the
+        overlap scheduler) need a graph."""
         graphs = self.graph_runner
         if graphs is not None and len(input_ids) <= graphs.max_bs:
             return graphs.run(input_ids, cached_lens, out_cache_loc, req_rows)
+        if isinstance(input_ids, torch.Tensor):
+            raise ValueError("decode inputs on the device need a graph that holds the batch")
         batch = ForwardBatch.decode(
             input_ids,
             cached_lens,

@@ -49,6 +49,7 @@ def test_the_server_runs_triton_attention(server):
     info = httpx.get(f"{server.base_url}/get_server_info", timeout=10).json()
     assert info["engine"]["attention_backend"] == "triton"
     assert info["engine"]["cuda_graph_max_bs"] == 0  # graphs are for CUDA
+    assert info["engine"]["overlap_schedule"] is False  # and so is overlap, which needs them
 
 
 def test_the_quick_start_question_gets_the_readme_answer(server):
