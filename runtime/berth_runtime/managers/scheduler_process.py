@@ -11,7 +11,6 @@ import torch
 import zmq
 
 from berth_common.logging import configure_logging
-from berth_common.process import init_child_process
 from berth_runtime.constrained.grammar import GrammarCompiler
 from berth_runtime.io_struct import (
     AbortReq,
@@ -22,6 +21,7 @@ from berth_runtime.io_struct import (
 from berth_runtime.managers.engine_liveness import StepClock, report_long_steps
 from berth_runtime.managers.scheduler import Scheduler
 from berth_runtime.model_executor.model_runner import LoadProgress, ModelRunner
+from berth_runtime.models.model_files import ModelFiles, read_model_files
 from berth_runtime.server_args import ServerArgs
 from berth_runtime.utils.zmq_ipc import PortArgs, Receiver, Sender
 
@@ -33,54 +33,36 @@ GRAMMAR_POLL_MS = 2  # while the only work is a grammar compiling on its thread
 LOG_INTERVAL_S = 10.0
 
 
-def load_tokenizer(model_path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path)
-
-
-def eos_token_ids(model_path: str, tokenizer) -> set[int]:
-    """EOS ids from the tokenizer, the model config and the generation config."""
-    from transformers import AutoConfig, GenerationConfig
-
-    ids: set[int] = set()
-    candidates = [
-        tokenizer.eos_token_id,
-        getattr(AutoConfig.from_pretrained(model_path), "eos_token_id", None),
-    ]
-    try:
-        candidates.append(GenerationConfig.from_pretrained(model_path).eos_token_id)
-    except OSError:
-        pass
-    for value in candidates:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(v for v in value if isinstance(v, int))
-    return ids
-
-
 def run_scheduler_process(
-    args: ServerArgs, ports: PortArgs, model_path: str, ready: Connection
+    args: ServerArgs,
+    ports: PortArgs,
+    model_path: str,
+    ready: Connection,
+    parent_pid: int,
+    files: ModelFiles | None = None,
 ) -> None:
-    parent_pid = init_child_process("scheduler")
+    """The scheduler's life after `init_child_process` (`spawn_targets.run_scheduler`): load, warm
+    up, serve. `files`: the model's config and tokenizer if read already (before torch was
+    imported); read here otherwise, failures reported to the launcher as any other."""
     configure_logging(args.log_level, "scheduler")
 
     def report(progress: LoadProgress) -> None:
         ready.send({"status": "loading", "phase": "loading weights", **progress.to_json()})
 
     try:
+        files = files or read_model_files(model_path)
+        tokenizer = files.tokenizer
         progress = LoadProgress(report=report)
-        runner = ModelRunner(model_path, args, progress)
-        tokenizer = load_tokenizer(model_path)
-        eos_ids = eos_token_ids(model_path, tokenizer)
+        runner = ModelRunner(model_path, args, progress, config=files.config)
         grammar = None
         if args.grammar_backend == "xgrammar":
-            grammar = GrammarCompiler.for_tokenizer(tokenizer, runner.vocab_size, eos_ids)
+            grammar = GrammarCompiler.for_tokenizer(
+                tokenizer, runner.vocab_size, files.eos_token_ids
+            )
         scheduler = Scheduler(
             args,
             runner,
-            eos_token_ids=eos_ids,
+            eos_token_ids=files.eos_token_ids,
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
             grammar=grammar,
         )

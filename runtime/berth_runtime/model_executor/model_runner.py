@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from berth_runtime.kernels import cpu as cpu_kernels
 from berth_runtime.mem_cache.kv_pool import ReqToTokenPool, TokenToKVPool
@@ -94,16 +94,21 @@ class ModelRunner:
     """Owns the model weights, the KV pool and the request-to-slot table of one scheduler."""
 
     def __init__(
-        self, model_path: str, args: ServerArgs, progress: LoadProgress | None = None
+        self,
+        model_path: str,
+        args: ServerArgs,
+        progress: LoadProgress | None = None,
+        config: PretrainedConfig | None = None,
     ) -> None:
         """Load `model_path` (a Hugging Face directory; `args.model` is its source) as `args`
         says: dtype, device, context length, KV capacity, batch slots, 4-bit weights, kernels;
-        with --load-format dummy, random weights instead of its files'."""
+        with --load-format dummy, random weights instead of its files'. `config`: its config,
+        if read already."""
         torch.manual_seed(args.random_seed)
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         context_length = args.context_length
-        self.config = AutoConfig.from_pretrained(model_path)
+        self.config = config or AutoConfig.from_pretrained(model_path)
         arch = (self.config.architectures or ["LlamaForCausalLM"])[0]
         model_cls = MODEL_CLASSES[arch]
         model_max = int(getattr(self.config, "max_position_embeddings", 4096))

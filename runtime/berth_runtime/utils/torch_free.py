@@ -6,15 +6,17 @@ process that does so, for nothing (measured: 790 MB RSS after `import torch`, 11
 transformers tokenizer without it). `forbid_torch()` makes those processes tokenizer-only, and
 `run_isolated()` runs the few start-up steps that do need torch (converting a GGUF file, asking
 CUDA for a device) in a short-lived child process, so the server's long-lived processes never load
-it.
+it. The scheduler does run torch, but reads its config and tokenizer under `torch_hidden()` first,
+so that transformers leaves out the torch parts it would load for them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import TypeVar
 
@@ -30,6 +32,26 @@ def forbid_torch() -> None:
     sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
     # transformers would print "PyTorch was not found..." once per process: expected here.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+@contextlib.contextmanager
+def torch_hidden() -> Iterator[None]:
+    """Within: torch cannot be imported and libraries that probe for it see none, as after
+    `forbid_torch()`; after: it imports again. For a process that runs torch later but first
+    loads what transformers reads (config, tokenizer): transformers >= 5, finding torch,
+    imports its model-loading code with it (torch.distributed.tensor, sympy: about 70 MB of
+    private memory). transformers remembers what it found, so this comes before its first use.
+    No effect in a process that already imported torch."""
+    if "torch" in sys.modules:
+        yield
+        return
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    try:
+        yield
+    finally:
+        if "torch" in sys.modules and sys.modules["torch"] is None:
+            del sys.modules["torch"]
 
 
 def torch_is_loaded() -> bool:
