@@ -20,7 +20,7 @@ __all__ = ["run_detokenizer_process", "run_scheduler"]
 def run_scheduler(args: ServerArgs, ports: PortArgs, model_path: str, ready: Connection) -> None:
     """The scheduler process (`managers.scheduler_process`), imported here, in the child, after
     the model's config and tokenizer are read: before torch, transformers loads without its
-    model-loading code (about 70 MB; see `utils.torch_free.torch_hidden`)."""
+    model-loading code (about 45 MB; see `utils.torch_free.torch_hidden`)."""
     from berth_runtime.models.model_files import read_model_files
 
     # First: a signal to the whole group drains the server from the child's first moment on.

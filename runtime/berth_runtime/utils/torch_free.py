@@ -39,9 +39,9 @@ def torch_hidden() -> Iterator[None]:
     """Within: torch cannot be imported and libraries that probe for it see none, as after
     `forbid_torch()`; after: it imports again. For a process that runs torch later but first
     loads what transformers reads (config, tokenizer): transformers >= 5, finding torch,
-    imports its model-loading code with it (torch.distributed.tensor, sympy: about 70 MB of
-    private memory). transformers remembers what it found, so this comes before its first use.
-    No effect in a process that already imported torch."""
+    imports its model-loading code with it (torch.distributed.tensor, sympy: 45 MB of the
+    scheduler's memory, measured). transformers remembers what it found, so this comes before
+    its first use. No effect in a process that already imported torch."""
     if "torch" in sys.modules:
         yield
         return
