@@ -52,12 +52,13 @@ class ServerArgs(DataclassCli):
             "without downloading them: the answers are noise."
         },
     )
-    gguf_q4_max_batch: int = field(
-        default=8,
+    gguf_q4_max_batch: int | None = field(
+        default=None,
         metadata={
             "help": "On CPU in bfloat16, run decode steps of at most this many sequences with a "
             "GGUF source's own 4-bit Q4_0/Q4_1 projection weights (a quarter of the bytes; "
-            "prefill and larger decode steps use bf16); 0 turns it off."
+            "prefill and larger decode steps use bf16); 0 turns it off. Default: every decode "
+            "step where Berth's int8 kernel runs (AVX-512BW), else 8 (PyTorch's int4 kernel)."
         },
     )
     attention_backend: Literal["auto", "torch_native", "berth_cpu", "triton"] = field(
@@ -286,7 +287,7 @@ class ServerArgs(DataclassCli):
                 f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                 f"got {self.tool_call_parser!r}"
             )
-        if self.gguf_q4_max_batch < 0:
+        if self.gguf_q4_max_batch is not None and self.gguf_q4_max_batch < 0:
             raise ValueError(f"--gguf-q4-max-batch must be >= 0, got {self.gguf_q4_max_batch}")
         if self.speculative_algorithm != "none":
             if self.device == "cuda":

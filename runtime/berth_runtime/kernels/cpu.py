@@ -25,8 +25,12 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-# One library from these sources: attention, norms and logits; a decode step's layers in one call.
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "decode_layers.cpp"))
+# One library from these sources: attention, norms and logits; quantized projections on integer dot
+# products; a decode step's layers in one call.
+SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in ("cpu_kernels.cpp", "quant_linear.cpp", "decode_layers.cpp")
+)
 KERNELS_DIR_ENV = "BERTH_KERNELS_DIR"
 # Head dims the attention kernels are instantiated for.
 ATTENTION_HEAD_DIMS = (64, 128, 256)
@@ -168,6 +172,14 @@ def load(cache_dir: Path) -> Path:
             raise KernelBuildError(_error) from e
         _loaded = path
         return path
+
+
+def quant_linear_available() -> bool:
+    """Whether `torch.ops.berth.quant_linear` runs here: the kernels are loaded and the CPU has
+    AVX-512BW (the kernel checks for VNNI itself)."""
+    import torch
+
+    return _loaded is not None and bool(torch.ops.berth.quant_linear_supported())
 
 
 def attention_supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:

@@ -33,7 +33,16 @@ enum LayerWeight {
 
 constexpr int64_t kGroupSize = 32;  // the GGUF's 4-bit groups
 
+// The 4-bit weight in either packing of models/gguf_q4.py's Int4Weight: Berth's integer kernel
+// (quant_linear.cpp, codes of rank 5) or PyTorch's int4 kernel.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  if (packed.dim() == 5) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("berth::quant_linear", "")
+                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                                 const at::Tensor&, bool)>();
+    return op.call(x, packed, scales, true);
+  }
   return at::_weight_int4pack_mm_for_cpu(x.contiguous(), packed, kGroupSize, scales);
 }
 

@@ -95,6 +95,11 @@ def run_scheduler_process(
             "speculative_algorithm": args.speculative_algorithm,
             # Decode steps of at most this many sequences run on the 4-bit weights (0: none do).
             "gguf_q4_max_batch": runner.gguf_q4_max_batch if runner.q4_bytes else 0,
+            # The CPU kernel those steps use: berth_int8 (int8 activations on integer dot
+            # products, as llama.cpp) or torch_int4; null without 4-bit weights.
+            "q4_kernel": runner.q4_kernel if runner.q4_bytes else None,
+            # Small steps' lm_head on an 8-bit copy (leading scores recomputed exactly).
+            "int8_lm_head": runner.int8_lm_head_bytes > 0,
             "kv_bytes_per_token": runner.kv_pool.bytes_per_token,
             "max_running_requests": scheduler.max_running,
         }

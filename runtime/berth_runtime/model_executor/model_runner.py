@@ -140,15 +140,21 @@ class ModelRunner:
             model.prepack_cpu_linears()
         self.deterministic = args.enable_deterministic_inference
         self.speculative = args.speculative_algorithm != "none"
+        self.attention_backend = self._enable_kernels(
+            model, args.attention_backend, args.model_cache_dir
+        )
         q4_rows = args.gguf_q4_max_batch
+        if q4_rows is None:
+            # Berth's int8 kernel beats bf16 at every batch size measured (1-128 sequences);
+            # PyTorch's int4 kernel only up to about 8.
+            q4_rows = args.max_running_requests if cpu_kernels.quant_linear_available() else 8
         if self.deterministic and q4_rows > 0:
             q4_rows = args.max_running_requests  # one weight format for every decode step
         self.gguf_q4_max_batch = q4_rows
         # A GGUF source's 4-bit groups are its real weights: never beside random ones.
+        self.q4_kernel: str | None = None  # which CPU kernel runs them, set by _attach_q4
         self.q4_bytes = 0 if dummy else self._attach_q4(model, model_path, q4_rows)
-        self.attention_backend = self._enable_kernels(
-            model, args.attention_backend, args.model_cache_dir
-        )
+        self.int8_lm_head_bytes = self._attach_int8_lm_head(model, q4_rows)
         self.fused_decode = model.enable_fused_decode()  # needs berth_cpu: checks it itself
         # Only SDPA reads an attention mask; paged kernels take each sequence's length.
         self.needs_attn_mask = model.layers[0].self_attn.paged_attention is None
@@ -195,12 +201,32 @@ class ModelRunner:
             return 0
         if not os.path.isfile(groups_file):
             return 0
-        added = model.attach_int4(load_file(groups_file), max_batch)
+        # Berth's kernel where it runs (loaded by _enable_kernels), else PyTorch's.
+        self.q4_kernel = "berth_int8" if cpu_kernels.quant_linear_available() else "torch_int4"
+        added = model.attach_int4(
+            load_file(groups_file), max_batch, integer=self.q4_kernel == "berth_int8"
+        )
         logger.info(
-            "Steps of <= %d tokens use the GGUF's 4-bit weights (%.0f MB more)",
+            "Steps of <= %d tokens use the GGUF's 4-bit weights (%.0f MB more, %s kernel)",
             max_batch,
             added / 2**20,
+            self.q4_kernel,
         )
+        return added
+
+    def _attach_int8_lm_head(self, model, max_batch: int) -> int:
+        """The lm_head of small bf16 CPU steps (those the 4-bit weights take) on an 8-bit copy
+        run by Berth's integer kernel; returns the bytes this adds (0 when not used)."""
+        usable = self.dtype == torch.bfloat16 and self.device.type == "cpu"
+        if max_batch <= 0 or not usable or not cpu_kernels.quant_linear_available():
+            return 0
+        added = model.attach_int8_lm_head(max_batch)
+        if added:
+            logger.info(
+                "Steps of <= %d rows rank the vocabulary on an 8-bit lm_head (%.0f MB more)",
+                max_batch,
+                added / 2**20,
+            )
         return added
 
     def _enable_kernels(self, model, backend: str, cache_dir: str | None) -> str:

@@ -116,6 +116,34 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
     return ((q - 8) * scales[..., None] + zeros[..., None]).reshape(codes.shape[0], -1)
 
 
+def pack_q4_vnni(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The groups in `torch.ops.berth.quant_linear`'s 4-bit layout (see kernels/quant_linear.cpp):
+    output rows in groups of 16, one SIMD lane each; per block of 32, four 64-byte chunks, chunk c
+    holding each row's codes of k = 8c..8c+3 in its low nibbles and 8c+4..8c+7 in its high ones;
+    then the fp16 scale d and offset m of w = d * q + m, per lane. The GGUF's fp16 d and m survive
+    the round trip exactly (checked by `dequantize_q4_vnni` in the tests)."""
+    n, k = codes.shape[0], codes.shape[1] * 2
+    if n % 16 or k % GROUP_SIZE:
+        raise ValueError(f"quant_linear needs N % 16 == 0 and K % 32 == 0, got [{n}, {k}]")
+    q = unpack_codes(codes).to(torch.uint8).view(n // 16, 16, k // 32, 4, 2, 4)
+    q = q.permute(0, 2, 3, 1, 5, 4)  # [group, block, chunk, lane, byte, nibble]
+    packed = (q[..., 0] | (q[..., 1] << 4)).contiguous()
+    offsets = zeros - 8 * scales  # torch's (q - 8) * scale + zero is d * q + m
+    pairs = torch.stack((scales, offsets), dim=-1).view(n // 16, 16, k // 32, 2)
+    return packed, pairs.permute(0, 2, 3, 1).contiguous().to(torch.float16)
+
+
+def dequantize_q4_vnni(packed: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K] a `pack_q4_vnni` layout stands for (tests)."""
+    groups, blocks = packed.shape[:2]
+    q = torch.stack((packed & 0x0F, packed >> 4), dim=-1)  # [g, b, c, lane, byte, nibble]
+    q = q.permute(0, 3, 1, 2, 5, 4).reshape(groups * 16, blocks, 32).float()
+    d, m = pairs.float().permute(0, 3, 1, 2).reshape(groups * 16, blocks, 2).unbind(-1)
+    return (q * d[..., None] + m[..., None]).reshape(groups * 16, blocks * 32)
+
+
 def can_run_int4(dtype: torch.dtype, device: torch.device) -> bool:
     """torch's CPU int4 kernel takes bf16 activations with bf16 scales."""
     return (
@@ -127,13 +155,27 @@ def can_run_int4(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class Int4Weight:
-    """One projection's weight packed for `torch.ops.aten._weight_int4pack_mm_for_cpu`."""
+    """One projection's 4-bit weight, packed for one of two CPU kernels: Berth's
+    `torch.ops.berth.quant_linear` (int8 activations on integer dot products, as llama.cpp runs
+    these blocks; `integer=True`, where `kernels.cpu.quant_linear_available()`), or else PyTorch's
+    `_weight_int4pack_mm_for_cpu` (bf16 activations, the scales rounded to bf16). `packed` and
+    `scales_and_zeros` are the kernel's two weight tensors; `decode_layers` tells them apart by
+    rank."""
 
     def __init__(
-        self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, max_rows: int
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        max_rows: int,
+        integer: bool = False,
     ) -> None:
         self.max_rows = max_rows  # larger steps use the bf16 weight
         self.out_features = codes.shape[0]
+        self.integer = integer
+        if integer:
+            self.packed, self.scales_and_zeros = pack_q4_vnni(codes, scales, zeros)
+            return
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_codes(codes), 2)
         # [K/32, N, 2]: (scale, zero) per group and output row, in the activations' dtype.
         self.scales_and_zeros = (
@@ -141,6 +183,8 @@ class Int4Weight:
         )
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.integer:
+            return torch.ops.berth.quant_linear(x, self.packed, self.scales_and_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.contiguous(), self.packed, GROUP_SIZE, self.scales_and_zeros
         )

@@ -17,6 +17,7 @@ from torch import nn
 from berth_runtime.mem_cache.kv_pool import TokenToKVPool
 from berth_runtime.model_executor.forward_batch import ForwardBatch
 from berth_runtime.models.gguf_q4 import Int4Weight
+from berth_runtime.models.int8_lm_head import Int8LmHead
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -370,6 +371,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_lm_head: torch.Tensor | None = None  # set by prepack_cpu_linears
+        self.int8_lm_head: Int8LmHead | None = None  # set by attach_int8_lm_head
         self.fused_decode_rows = 0  # set by enable_fused_decode
         self.fused_decode_weights: list[torch.Tensor] = []
         self.use_cpu_logit_kernels = False  # set by enable_cpu_kernels
@@ -405,7 +407,9 @@ class LlamaForCausalLM(nn.Module):
         """fp32 vocab scores [rows, V]: the lm_head in the model's dtype, then each row's top
         candidates computed again exactly (see `exact_top_logits`)."""
         weight = self.lm_head_weight()
-        if self.packed_lm_head is not None:
+        if self.int8_lm_head is not None and hidden.shape[0] <= self.int8_lm_head.max_rows:
+            logits = self.int8_lm_head.scores(hidden)
+        elif self.packed_lm_head is not None:
             logits = packed_linear(hidden, self.packed_lm_head)
         else:
             logits = linear(hidden, weight)
@@ -484,10 +488,24 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     @torch.inference_mode()
-    def attach_int4(self, groups: dict[str, torch.Tensor], max_rows: int) -> int:
+    def attach_int8_lm_head(self, max_rows: int) -> int:
+        """Rank the vocabulary of steps of at most `max_rows` rows on an 8-bit copy of the
+        lm_head (see `int8_lm_head`; bf16 models: the exact recomputation needs reduced-precision
+        scores). Returns the bytes added, 0 where the shape does not fit."""
+        weight = self.lm_head_weight()
+        if not Int8LmHead.fits(weight):
+            return 0
+        self.int8_lm_head = Int8LmHead(weight.detach(), max_rows)
+        return self.int8_lm_head.nbytes()
+
+    @torch.inference_mode()
+    def attach_int4(
+        self, groups: dict[str, torch.Tensor], max_rows: int, integer: bool = False
+    ) -> int:
         """Give each projection its 4-bit GGUF weight (see `gguf_q4`), used for steps of at most
         `max_rows` rows, where reading a quarter of the bytes beats bf16; larger steps keep the
-        bf16 weight. Fused q/k/v and gate/up concatenate their parts' rows. Returns the bytes
+        bf16 weight. `integer` packs them for Berth's int8 dot-product kernel (see
+        `Int4Weight`). Fused q/k/v and gate/up concatenate their parts' rows. Returns the bytes
         added; a layer whose weights are not all in `groups` keeps bf16 only."""
         # Our projection -> the checkpoint projections it is made of, in row order.
         projections = {
@@ -508,6 +526,7 @@ class LlamaForCausalLM(nn.Module):
                         for field in ("codes", "scales", "zeros")
                     ),
                     max_rows=max_rows,
+                    integer=integer,
                 )
                 layer.get_submodule(target).berth_int4 = weight
                 added += weight.nbytes()

@@ -118,9 +118,8 @@ def test_decode_writes_the_kv_of_a_prefill_unless_on_4bit_weights(prompts):
         prefilled = [runner.kv_pool.kv_buffer[layer][table[1, n:]] for layer in (0, 29)]
         equal = all(torch.equal(d, p) for d, p in zip(decoded, prefilled))
         assert equal is expect_equal
-    assert load(gguf_q4_max_batch=DEFAULTS.gguf_q4_max_batch).decode_matches_prefill(
-        DEFAULTS.gguf_q4_max_batch + 1
-    )
+    runner = load(gguf_q4_max_batch=DEFAULTS.gguf_q4_max_batch)
+    assert runner.decode_matches_prefill(runner.gguf_q4_max_batch + 1)
     assert not load(attention_backend="torch_native", gguf_q4_max_batch=0).decode_matches_prefill(
         64
     )

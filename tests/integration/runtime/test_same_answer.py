@@ -47,7 +47,7 @@ def server() -> Iterator[RunningServer]:
         engine = info["engine"]
         assert engine["dtype"] == "bfloat16", engine
         assert engine["attention_backend"] == "berth_cpu", engine
-        assert info["server_args"]["gguf_q4_max_batch"] > 0, info["server_args"]
+        assert engine["gguf_q4_max_batch"] > 0, engine
         assert engine["q4_weight_bytes"] > 0, engine  # the 4-bit weights are really loaded
     except BaseException:
         srv.stop()

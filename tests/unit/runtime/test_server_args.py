@@ -82,7 +82,8 @@ def test_invalid_values_raise(kwargs):
 
 
 def test_gguf_q4_max_batch_flag():
-    assert ServerArgs().gguf_q4_max_batch == 8
+    assert ServerArgs().gguf_q4_max_batch is None  # auto: resolved by the model runner
+    assert parse("--gguf-q4-max-batch", "8").gguf_q4_max_batch == 8
     assert parse("--gguf-q4-max-batch", "0").gguf_q4_max_batch == 0
 
 

@@ -1,0 +1,292 @@
+// Quantized projections on CPU with 8-bit integer dot products: torch.ops.berth.quant_linear.
+//
+// At one to eight rows a projection is a pass over its weight. PyTorch's int4 kernel turns each
+// weight into a float before multiplying, which costs more than reading it (about 18 GB/s at one
+// row, 6 at eight, on the embedded model's projections). This runs blocks of 32 weights the way
+// llama.cpp does: the activations are quantized to int8 per block (scale da, code sum s), the
+// weight's unsigned codes q multiply them as bytes (AVX-512 VNNI, or AVX-512BW's two-step
+// equivalent), and each block's exact integer sum gets the weight's fp16 scale d and offset m:
+//   sum_k (d q_k + m) (da a_k) = d da sum q a + m (da s).
+// Two weight formats: the GGUF's 4-bit Q4_0/Q4_1 blocks (q in 0..15), and 8-bit blocks with
+// q = code + 128 and m = -128 d (a symmetric int8 lm_head). Every activation row is computed
+// alone, so a row's result does not depend on the batch.
+//
+// Layout (models/gguf_q4.py's `pack_q4_vnni`, models/int8_lm_head.py's `quantize_rows_q8`): output
+// rows in groups of 16, one SIMD lane each. codes uint8 [N/16, K/32, C, 16, 4]: with 8-bit
+// codes (C = 8) vector j holds per lane k = 4j..4j+3; with 4-bit ones (C = 4) vector c holds k =
+// 8c..8c+3 in its low nibbles and 8c+4..8c+7 in its high ones. scales fp16 [N/16, K/32, 2, 16]:
+// d, then m, per lane.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // the GGUF's quantization block
+constexpr int64_t kLanes = 16;  // output rows per group
+constexpr int64_t kMaxRows = 8;  // activation rows one pass over the weight serves
+
+#if defined(__x86_64__)
+
+#define BERTH_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
+#define BERTH_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
+
+bool has_avx512bw() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }
+bool has_vnni() { return has_avx512bw() && __builtin_cpu_supports("avx512vnni"); }
+
+// One activation row quantized per block: int8 codes, and per block da and da * sum(codes).
+struct QuantizedRows {
+  int8_t* codes;   // [rows, K]
+  float* scale;    // [rows, K/32]
+  float* scaled_sum;  // [rows, K/32]
+};
+
+template <typename T>
+BERTH_AVX512 inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+}
+
+template <typename T>
+BERTH_AVX512 void quantize_rows(const T* x, int64_t rows, int64_t k, QuantizedRows q) {
+  const int64_t blocks = k / kBlock;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const T* src = x + r * k + b * kBlock;
+      __m512 lo = load16(src), hi = load16(src + 16);
+      const float amax = _mm512_reduce_max_ps(
+          _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float scale = amax / 127.f;
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
+      __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+      int8_t* dst = q.codes + r * k + b * kBlock;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qhi));
+      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      q.scale[r * blocks + b] = scale;
+      q.scaled_sum[r * blocks + b] = scale * static_cast<float>(sum);
+    }
+  }
+}
+
+// acc + the 4-byte dot products of unsigned codes and signed activations, per 32-bit lane.
+template <int BITS>
+BERTH_AVX512 inline __m512i dot_bytes_bw(__m512i acc, __m512i u8, __m512i s8) {
+  const __m512i ones = _mm512_set1_epi16(1);
+  if constexpr (BITS == 4) {
+    // Products are at most 15 * 128 a byte pair: the 16-bit pair sums cannot saturate.
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u8, s8), ones));
+  } else {
+    // 8-bit codes could (255 * 128 * 2 > 32767): multiply their two nibbles separately.
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const __m512i lo = _mm512_and_si512(u8, nibble);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(u8, 4), nibble);
+    const __m512i lo_sum = _mm512_madd_epi16(_mm512_maddubs_epi16(lo, s8), ones);
+    const __m512i hi_sum = _mm512_madd_epi16(_mm512_maddubs_epi16(hi, s8), ones);
+    return _mm512_add_epi32(acc, _mm512_add_epi32(lo_sum, _mm512_slli_epi32(hi_sum, 4)));
+  }
+}
+
+template <int BITS>
+BERTH_VNNI inline __m512i dot_bytes_vnni(__m512i acc, __m512i u8, __m512i s8) {
+  return _mm512_dpbusd_epi32(acc, u8, s8);  // 32-bit sums: no saturation at either width
+}
+
+inline int32_t four_bytes(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <typename T>
+BERTH_AVX512 inline void store16(T* p, __m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(p, v);
+  } else {
+    // float -> bf16, rounding to nearest even (finite values).
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+  }
+}
+
+// Rows [g0, g1) of groups: out[r, 16g + lane] for every activation row r < ROWS. Each block's
+// weight comes as eight vectors of unsigned bytes, vector j holding k = 4j..4j+3 of every lane.
+#define BERTH_QUANT_GROUPS(ATTR, DOT)                                                            \
+  template <int BITS, int ROWS, typename T>                                                     \
+  ATTR void groups_##DOT(const uint8_t* codes, const c10::Half* scales, QuantizedRows q,        \
+                         int64_t k, int64_t n, int64_t g0, int64_t g1, T* out) {                 \
+    constexpr int64_t block_bytes = kBlock * kLanes * BITS / 8;                                  \
+    const int64_t blocks = k / kBlock;                                                          \
+    const __m512i nibble = _mm512_set1_epi8(0x0F);                                              \
+    for (int64_t g = g0; g < g1; ++g) {                                                         \
+      __m512 acc[ROWS];                                                                         \
+      for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();                              \
+      const uint8_t* wc = codes + g * blocks * block_bytes;                                     \
+      const c10::Half* ws = scales + g * blocks * 2 * kLanes;                                    \
+      for (int64_t b = 0; b < blocks; ++b, wc += block_bytes, ws += 2 * kLanes) {                \
+        __m512i w[8];                                                                           \
+        for (int c = 0; c < BITS; ++c) {                                                        \
+          const __m512i v = _mm512_loadu_si512(wc + c * 64);                                    \
+          if constexpr (BITS == 4) {                                                            \
+            w[2 * c] = _mm512_and_si512(v, nibble);                                             \
+            w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);                   \
+          } else {                                                                              \
+            w[c] = v;                                                                           \
+          }                                                                                     \
+        }                                                                                       \
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws))); \
+        const __m512 m =                                                                        \
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + kLanes)));  \
+        for (int r = 0; r < ROWS; ++r) {                                                        \
+          const int8_t* a = q.codes + r * k + b * kBlock;                                       \
+          __m512i isum = _mm512_setzero_si512();                                                \
+          for (int j = 0; j < 8; ++j)                                                           \
+            isum = dot_bytes_##DOT<BITS>(isum, w[j], _mm512_set1_epi32(four_bytes(a + 4 * j)));        \
+          const __m512 da = _mm512_set1_ps(q.scale[r * blocks + b]);                            \
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, da), acc[r]);     \
+          acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(q.scaled_sum[r * blocks + b]), acc[r]);    \
+        }                                                                                       \
+      }                                                                                         \
+      for (int r = 0; r < ROWS; ++r) store16(out + r * n + g * kLanes, acc[r]);                 \
+    }                                                                                           \
+  }
+
+BERTH_QUANT_GROUPS(BERTH_VNNI, vnni)
+BERTH_QUANT_GROUPS(BERTH_AVX512, bw)
+
+// Groups [g0, g1) for activation rows [r0, r0 + rows), rows <= kMaxRows.
+template <int BITS, typename T>
+void groups_for_rows(const uint8_t* codes, const c10::Half* scales, QuantizedRows q, int64_t r0,
+                     int64_t rows, int64_t k, int64_t n, int64_t g0, int64_t g1, T* out,
+                     bool vnni) {
+  const int64_t blocks = k / kBlock;
+  const QuantizedRows part{q.codes + r0 * k, q.scale + r0 * blocks, q.scaled_sum + r0 * blocks};
+  T* part_out = out + r0 * n;
+  switch (rows) {
+#define BERTH_ROWS_CASE(R)                                                                 \
+  case R:                                                                                  \
+    if (vnni) {                                                                            \
+      return groups_vnni<BITS, R, T>(codes, scales, part, k, n, g0, g1, part_out);         \
+    }                                                                                      \
+    return groups_bw<BITS, R, T>(codes, scales, part, k, n, g0, g1, part_out);
+    BERTH_ROWS_CASE(1)
+    BERTH_ROWS_CASE(2)
+    BERTH_ROWS_CASE(3)
+    BERTH_ROWS_CASE(4)
+    BERTH_ROWS_CASE(5)
+    BERTH_ROWS_CASE(6)
+    BERTH_ROWS_CASE(7)
+    BERTH_ROWS_CASE(8)
+#undef BERTH_ROWS_CASE
+  }
+}
+
+template <int BITS, typename T>
+void quant_linear_rows(const T* x, int64_t rows, const uint8_t* codes, const c10::Half* scales,
+                       int64_t k, int64_t n, T* out, bool vnni) {
+  const int64_t blocks = k / kBlock;
+  at::Tensor workspace = at::empty({rows * (k + 8 * blocks)}, at::kByte);
+  auto* base = workspace.data_ptr<uint8_t>();
+  QuantizedRows q{reinterpret_cast<int8_t*>(base),
+                  reinterpret_cast<float*>(base + rows * k),
+                  reinterpret_cast<float*>(base + rows * k + 4 * rows * blocks)};
+  quantize_rows<T>(x, rows, k, q);
+  // Threads split the output rows, in tiles of a few groups (a few KB of weight each, kept in
+  // cache while every chunk of eight activation rows passes over them): the weight is read
+  // from memory once however many rows there are.
+  constexpr int64_t kTileGroups = 4;
+  at::parallel_for(0, n / kLanes, kTileGroups, [&](int64_t g0, int64_t g1) {
+    for (int64_t t = g0; t < g1; t += kTileGroups) {
+      const int64_t t1 = std::min(g1, t + kTileGroups);
+      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+        groups_for_rows<BITS, T>(codes, scales, q, r0, std::min(kMaxRows, rows - r0), k, n, t,
+                                 t1, out, vnni);
+      }
+    }
+  });
+}
+
+#else
+bool has_avx512bw() { return false; }
+bool has_vnni() { return false; }
+template <int BITS, typename T>
+void quant_linear_rows(const T*, int64_t, const uint8_t*, const c10::Half*, int64_t, int64_t, T*,
+                       bool) {}
+#endif
+
+template <typename T>
+void quant_linear_dispatch(int64_t bits, const T* x, int64_t rows, const uint8_t* codes,
+                           const c10::Half* scales, int64_t k, int64_t n, T* out, bool vnni) {
+  if (bits == 4) {
+    quant_linear_rows<4, T>(x, rows, codes, scales, k, n, out, vnni);
+  } else {
+    quant_linear_rows<8, T>(x, rows, codes, scales, k, n, out, vnni);
+  }
+}
+
+// x [rows, K] bf16 or fp32; codes uint8 [N/16, K/32, C, 16, 4] with C = 4 (4-bit codes, two a
+// byte) or 8 (8-bit codes); scales fp16 [N/16, K/32, 2, 16] -> [rows, N] in x's dtype. `vnni`
+// false takes the AVX-512BW path even where VNNI exists
+// (the two give the same bits: the integer sums are exact).
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        bool vnni) {
+  TORCH_CHECK(has_avx512bw(), "berth::quant_linear needs AVX-512BW (see quant_linear_supported)");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "berth::quant_linear: x must be CPU [rows, K]");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 5 &&
+                  (codes.size(2) == 4 || codes.size(2) == 8) && codes.size(3) == kLanes &&
+                  codes.size(4) == 4,
+              "berth::quant_linear: codes must be uint8 [N/16, K/32, 4 or 8, 16, 4]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 4 &&
+                  scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) &&
+                  scales.size(2) == 2 && scales.size(3) == kLanes,
+              "berth::quant_linear: scales must be fp16 [N/16, K/32, 2, 16]");
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous(),
+              "berth::quant_linear: packed weight not contiguous");
+  const int64_t k = codes.size(1) * kBlock, n = codes.size(0) * kLanes, bits = codes.size(2);
+  TORCH_CHECK(x.size(1) == k, "berth::quant_linear: x has ", x.size(1), " columns, weight ", k);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "berth::quant_linear takes bf16 or fp32 activations");
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.size(0);
+  at::Tensor out = at::empty({rows, n}, xc.options());
+  vnni = vnni && has_vnni();
+  if (rows == 0) return out;
+  if (xc.scalar_type() == at::kBFloat16) {
+    using T = c10::BFloat16;
+    quant_linear_dispatch<T>(bits, xc.data_ptr<T>(), rows, codes.data_ptr<uint8_t>(),
+                             scales.data_ptr<c10::Half>(), k, n, out.data_ptr<T>(), vnni);
+  } else {
+    quant_linear_dispatch<float>(bits, xc.data_ptr<float>(), rows, codes.data_ptr<uint8_t>(),
+                                 scales.data_ptr<c10::Half>(), k, n, out.data_ptr<float>(), vnni);
+  }
+  return out;
+}
+
+bool quant_linear_supported() { return has_avx512bw(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(berth, m) {
+  m.def("quant_linear(Tensor x, Tensor codes, Tensor scales, bool vnni=True) -> Tensor");
+  m.def("quant_linear_supported() -> bool", &quant_linear_supported);
+}
+
+TORCH_LIBRARY_IMPL(berth, CPU, m) { m.impl("quant_linear", &quant_linear); }
