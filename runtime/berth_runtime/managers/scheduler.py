@@ -356,24 +356,37 @@ class Scheduler:
         return drafts
 
     def _execute_verify(self, reqs: list[Req], drafts: list[list[int]]) -> StepResult:
-        """Run each request's last token and its draft through one extend on decode's weights;
+        """Run each request's last token and its draft through one step on decode's weights (a
+        decode step of one row per token where that picks the same weights, else an extend);
         keep the draft's longest prefix that greedy decoding picks itself, then the token it
         picks after that. Every token kept is bit for bit what plain decoding computes (each row
         runs alone: 4-bit or oneDNN projections, per-token attention), so the output is too."""
         spans = [(r, r.kv_len, r.kv_len + 1 + len(d)) for r, d in zip(reqs, drafts)]
         slots = self.kv.alloc_extend(spans)
-        forward = ForwardBatch.extend(
-            [tok for r, d in zip(reqs, drafts) for tok in (r.output_ids[-1], *d)],
-            [r.kv_len for r in reqs],
-            [1 + len(d) for d in drafts],
-            slots,
-            [r.req_row for r in reqs],
-            self.kv.req_to_token.req_to_token,
-            self.device,
-            verify=True,
-            with_mask=self.runner.needs_attn_mask,
-        )
-        picked = self.runner.compute_logits(self.runner.forward(forward)).max(dim=-1)
+        tokens = [tok for r, d in zip(reqs, drafts) for tok in (r.output_ids[-1], *d)]
+        if self.runner.verify_as_decode(len(reqs), len(tokens)):
+            # Row j of a request's run is a decode step of the request at position kv_len + j:
+            # its attention reads the slots up to itself, the drafts before it included (their
+            # K/V are written before attention in every layer), through the decode path (in one
+            # C++ call on the 4-bit weights).
+            rows = [(r, j) for r, d in zip(reqs, drafts) for j in range(1 + len(d))]
+            logits = self.runner.forward_decode(
+                tokens, [r.kv_len + j for r, j in rows], slots, [r.req_row for r, _ in rows]
+            ).logits
+        else:
+            forward = ForwardBatch.extend(
+                tokens,
+                [r.kv_len for r in reqs],
+                [1 + len(d) for d in drafts],
+                slots,
+                [r.req_row for r in reqs],
+                self.kv.req_to_token.req_to_token,
+                self.device,
+                verify=True,
+                with_mask=self.runner.needs_attn_mask,
+            )
+            logits = self.runner.compute_logits(self.runner.forward(forward))
+        picked = logits.max(dim=-1)
         greedy = picked.indices.tolist()
         verified, row = [], 0
         for draft in drafts:

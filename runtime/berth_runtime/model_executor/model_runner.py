@@ -295,6 +295,19 @@ class ModelRunner:
         uses_int4 = self.q4_bytes > 0 and batch_size <= self.gguf_q4_max_batch
         return self.attention_backend == "berth_cpu" and not uses_int4
 
+    def verify_as_decode(self, sequences: int, rows: int) -> bool:
+        """Whether a speculative verification of `rows` tokens of `sequences` sequences may run
+        as a decode step of `rows` rows, bit for bit what the extend it replaces computes: the
+        weights a decode step of `sequences` takes (4-bit or not), and attention that computes
+        each token alone (`berth_cpu`)."""
+
+        def on_int4(batch_size: int) -> bool:
+            return self.q4_bytes > 0 and batch_size <= self.gguf_q4_max_batch
+
+        if self.attention_backend != "berth_cpu" or self.graph_runner is not None:
+            return False
+        return on_int4(sequences) == on_int4(rows)
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states of every new token, [T, hidden]."""
         return self.model(batch, self.kv_pool)
