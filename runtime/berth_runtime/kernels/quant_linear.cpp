@@ -34,7 +34,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;  // the GGUF's quantization block
 constexpr int64_t kLanes = 16;  // output rows per group
-constexpr int64_t kMaxRows = 8;  // activation rows one pass over the weight serves
+constexpr int64_t kMaxRows = 8;  // activation rows kept in registers over a weight tile
 
 #if defined(__x86_64__)
 
@@ -44,7 +44,7 @@ constexpr int64_t kMaxRows = 8;  // activation rows one pass over the weight ser
 bool has_avx512bw() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }
 bool has_vnni() { return has_avx512bw() && __builtin_cpu_supports("avx512vnni"); }
 
-// One activation row quantized per block: int8 codes, and per block da and da * sum(codes).
+// Activation rows quantized per block: int8 codes, and per block da and da * sum(codes).
 struct QuantizedRows {
   int8_t* codes;   // [rows, K]
   float* scale;    // [rows, K/32]
@@ -244,8 +244,8 @@ void quant_linear_dispatch(int64_t bits, const T* x, int64_t rows, const uint8_t
 
 // x [rows, K] bf16 or fp32; codes uint8 [N/16, K/32, C, 16, 4] with C = 4 (4-bit codes, two a
 // byte) or 8 (8-bit codes); scales fp16 [N/16, K/32, 2, 16] -> [rows, N] in x's dtype. `vnni`
-// false takes the AVX-512BW path even where VNNI exists
-// (the two give the same bits: the integer sums are exact).
+// false takes the AVX-512BW path even where VNNI exists (the two give the same bits: the
+// integer sums are exact).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         bool vnni) {
   TORCH_CHECK(has_avx512bw(), "berth::quant_linear needs AVX-512BW (see quant_linear_supported)");

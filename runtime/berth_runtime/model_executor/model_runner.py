@@ -143,11 +143,13 @@ class ModelRunner:
         self.attention_backend = self._enable_kernels(
             model, args.attention_backend, args.model_cache_dir
         )
+        # Berth's int8 kernel for quantized weights (loaded by _enable_kernels), where it runs.
+        self.quant_kernel = cpu_kernels.quant_linear_available()
         q4_rows = args.gguf_q4_max_batch
         if q4_rows is None:
             # Berth's int8 kernel beats bf16 at every batch size measured (1-128 sequences);
             # PyTorch's int4 kernel only up to about 8.
-            q4_rows = args.max_running_requests if cpu_kernels.quant_linear_available() else 8
+            q4_rows = args.max_running_requests if self.quant_kernel else 8
         if self.deterministic and q4_rows > 0:
             q4_rows = args.max_running_requests  # one weight format for every decode step
         self.gguf_q4_max_batch = q4_rows
@@ -201,11 +203,8 @@ class ModelRunner:
             return 0
         if not os.path.isfile(groups_file):
             return 0
-        # Berth's kernel where it runs (loaded by _enable_kernels), else PyTorch's.
-        self.q4_kernel = "berth_int8" if cpu_kernels.quant_linear_available() else "torch_int4"
-        added = model.attach_int4(
-            load_file(groups_file), max_batch, integer=self.q4_kernel == "berth_int8"
-        )
+        self.q4_kernel = "berth_int8" if self.quant_kernel else "torch_int4"
+        added = model.attach_int4(load_file(groups_file), max_batch, integer=self.quant_kernel)
         logger.info(
             "Steps of <= %d tokens use the GGUF's 4-bit weights (%.0f MB more, %s kernel)",
             max_batch,
@@ -218,7 +217,7 @@ class ModelRunner:
         """The lm_head of small bf16 CPU steps (those the 4-bit weights take) on an 8-bit copy
         run by Berth's integer kernel; returns the bytes this adds (0 when not used)."""
         usable = self.dtype == torch.bfloat16 and self.device.type == "cpu"
-        if max_batch <= 0 or not usable or not cpu_kernels.quant_linear_available():
+        if max_batch <= 0 or not usable or not self.quant_kernel:
             return 0
         added = model.attach_int8_lm_head(max_batch)
         if added:
@@ -292,21 +291,20 @@ class ModelRunner:
         """Whether a decode step of `batch_size` sequences writes the K/V that a prefill of the
         same tokens would, bit for bit: the same weights (not the 4-bit ones) and attention that
         computes each token alone (`berth_cpu`; SDPA's rounding depends on the step's shape)."""
-        uses_int4 = self.q4_bytes > 0 and batch_size <= self.gguf_q4_max_batch
-        return self.attention_backend == "berth_cpu" and not uses_int4
+        return self.attention_backend == "berth_cpu" and not self._decode_on_int4(batch_size)
+
+    def _decode_on_int4(self, batch_size: int) -> bool:
+        """Whether a decode step of `batch_size` sequences runs on the 4-bit weights."""
+        return self.q4_bytes > 0 and batch_size <= self.gguf_q4_max_batch
 
     def verify_as_decode(self, sequences: int, rows: int) -> bool:
         """Whether a speculative verification of `rows` tokens of `sequences` sequences may run
         as a decode step of `rows` rows, bit for bit what the extend it replaces computes: the
         weights a decode step of `sequences` takes (4-bit or not), and attention that computes
         each token alone (`berth_cpu`)."""
-
-        def on_int4(batch_size: int) -> bool:
-            return self.q4_bytes > 0 and batch_size <= self.gguf_q4_max_batch
-
         if self.attention_backend != "berth_cpu" or self.graph_runner is not None:
             return False
-        return on_int4(sequences) == on_int4(rows)
+        return self._decode_on_int4(sequences) == self._decode_on_int4(rows)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states of every new token, [T, hidden]."""
