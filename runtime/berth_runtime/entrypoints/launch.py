@@ -18,6 +18,7 @@ import uvicorn
 
 from berth_common.http import DrainingServer, uvicorn_config
 from berth_common.logging import configure_logging
+from berth_common.malloc import release_free_memory
 from berth_common.process import DRAIN_REQUEST, set_process_title, stop_processes
 from berth_runtime.entrypoints.http_server import ServerState, create_app
 from berth_runtime.kernels.cpu import toolchain_problem
@@ -296,6 +297,7 @@ async def _start_engine(state: ServerState, engine: Engine, server: BerthServer)
     except Exception as e:
         server.fail(f"start-up failed: {e}")
         return
+    release_free_memory()  # loading the tokenizer leaves tens of MB free on its thread's heap
     tm.start()
     state.tokenizer_manager = tm
     state.serving_chat = OpenAIServingChat(tm)

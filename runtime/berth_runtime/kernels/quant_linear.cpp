@@ -224,13 +224,79 @@ void quant_linear_rows(const T* x, int64_t rows, const uint8_t* codes, const c10
   });
 }
 
+// fp32 -> bf16, rounding to nearest even, as c10::BFloat16 does (the weights are finite).
+BERTH_AVX512 inline void store_bf16(c10::BFloat16* dst, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+// Groups g0..g1 of a packed weight back to bf16 rows [16 (g1 - g0), K]: w = d q + m. d q is
+// exact in fp32 (a 4- or 8-bit integer times an fp16), so w is the one fp32 rounding of the
+// GGUF's own dequantization, and its bf16 the weight a bf16 checkpoint of the file holds.
+template <int BITS>
+BERTH_AVX512 void dequantize_groups(const uint8_t* codes, const c10::Half* scales, int64_t k,
+                                    int64_t g0, int64_t g1, c10::BFloat16* out) {
+  constexpr int64_t kChunks = BITS == 4 ? 4 : 8;
+  const int64_t blocks = k / kBlock;
+  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* tile = codes + (g * blocks + b) * kChunks * kLanes * 4;
+      const c10::Half* pair = scales + (g * blocks + b) * 2 * kLanes;
+      for (int64_t lane = 0; lane < kLanes; ++lane) {
+        uint32_t words[kChunks];  // this lane's bytes of each chunk, in k order
+        for (int64_t c = 0; c < kChunks; ++c) {
+          std::memcpy(&words[c], tile + (c * kLanes + lane) * 4, 4);
+        }
+        __m128i first, second;  // codes k = 0..15 and 16..31, one a byte
+        if constexpr (BITS == 4) {
+          const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(words));
+          const __m128i lo = _mm_and_si128(packed, low_nibbles);
+          const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low_nibbles);
+          first = _mm_unpacklo_epi32(lo, hi);  // chunk c: its low nibbles, then its high ones
+          second = _mm_unpackhi_epi32(lo, hi);
+        } else {
+          first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(words));
+          second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(words + 4));
+        }
+        const __m512 d = _mm512_set1_ps(static_cast<float>(pair[lane]));
+        const __m512 m = _mm512_set1_ps(static_cast<float>(pair[kLanes + lane]));
+        c10::BFloat16* dst = out + (g * kLanes + lane) * k + b * kBlock;
+        const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(first));
+        const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(second));
+        store_bf16(dst, _mm512_add_ps(_mm512_mul_ps(q0, d), m));
+        store_bf16(dst + 16, _mm512_add_ps(_mm512_mul_ps(q1, d), m));
+      }
+    }
+  }
+}
+
 #else
 bool has_avx512bw() { return false; }
 bool has_vnni() { return false; }
 template <int BITS, typename T>
 void quant_linear_rows(const T*, int64_t, const uint8_t*, const c10::Half*, int64_t, int64_t, T*,
                        bool) {}
+template <int BITS>
+void dequantize_groups(const uint8_t*, const c10::Half*, int64_t, int64_t, int64_t,
+                       c10::BFloat16*) {}
 #endif
+
+void check_packed(const at::Tensor& codes, const at::Tensor& scales, const char* op) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 5 &&
+                  (codes.size(2) == 4 || codes.size(2) == 8) && codes.size(3) == kLanes &&
+                  codes.size(4) == 4,
+              "berth::", op, ": codes must be uint8 [N/16, K/32, 4 or 8, 16, 4]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 4 &&
+                  scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) &&
+                  scales.size(2) == 2 && scales.size(3) == kLanes,
+              "berth::", op, ": scales must be fp16 [N/16, K/32, 2, 16]");
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous(),
+              "berth::", op, ": packed weight not contiguous");
+}
 
 template <typename T>
 void quant_linear_dispatch(int64_t bits, const T* x, int64_t rows, const uint8_t* codes,
@@ -250,16 +316,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
                         bool vnni) {
   TORCH_CHECK(has_avx512bw(), "berth::quant_linear needs AVX-512BW (see quant_linear_supported)");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "berth::quant_linear: x must be CPU [rows, K]");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 5 &&
-                  (codes.size(2) == 4 || codes.size(2) == 8) && codes.size(3) == kLanes &&
-                  codes.size(4) == 4,
-              "berth::quant_linear: codes must be uint8 [N/16, K/32, 4 or 8, 16, 4]");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 4 &&
-                  scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) &&
-                  scales.size(2) == 2 && scales.size(3) == kLanes,
-              "berth::quant_linear: scales must be fp16 [N/16, K/32, 2, 16]");
-  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous(),
-              "berth::quant_linear: packed weight not contiguous");
+  check_packed(codes, scales, "quant_linear");
   const int64_t k = codes.size(1) * kBlock, n = codes.size(0) * kLanes, bits = codes.size(2);
   TORCH_CHECK(x.size(1) == k, "berth::quant_linear: x has ", x.size(1), " columns, weight ", k);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
@@ -280,13 +337,41 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   return out;
 }
 
+// Writes into `out` (bf16 [N, K], contiguous) the weight a packed one stands for, bit for bit the
+// bf16 rounding of the GGUF's dequantization. Steps too large for quant_linear run on it (through
+// oneDNN, as a bf16 checkpoint's would), so a model need not keep bf16 weights besides the 4-bit
+// ones; the caller reuses one `out` for every projection, which costs no page faults.
+void quant_dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& out) {
+  TORCH_CHECK(has_avx512bw(), "berth::quant_dequantize needs AVX-512BW");
+  check_packed(codes, scales, "quant_dequantize");
+  const int64_t k = codes.size(1) * kBlock, groups = codes.size(0), bits = codes.size(2);
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kBFloat16 && out.dim() == 2 &&
+                  out.size(0) == groups * kLanes && out.size(1) == k && out.is_contiguous(),
+              "berth::quant_dequantize: out must be a contiguous bf16 [", groups * kLanes, ", ",
+              k, "]");
+  const auto* code_ptr = codes.data_ptr<uint8_t>();
+  const auto* scale_ptr = scales.data_ptr<c10::Half>();
+  auto* out_ptr = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+    if (bits == 4) {
+      dequantize_groups<4>(code_ptr, scale_ptr, k, g0, g1, out_ptr);
+    } else {
+      dequantize_groups<8>(code_ptr, scale_ptr, k, g0, g1, out_ptr);
+    }
+  });
+}
+
 bool quant_linear_supported() { return has_avx512bw(); }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(berth, m) {
   m.def("quant_linear(Tensor x, Tensor codes, Tensor scales, bool vnni=True) -> Tensor");
+  m.def("quant_dequantize(Tensor codes, Tensor scales, Tensor(a!) out) -> ()");
   m.def("quant_linear_supported() -> bool", &quant_linear_supported);
 }
 
-TORCH_LIBRARY_IMPL(berth, CPU, m) { m.impl("quant_linear", &quant_linear); }
+TORCH_LIBRARY_IMPL(berth, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_dequantize", &quant_dequantize);
+}

@@ -9,10 +9,12 @@ from multiprocessing.connection import Connection
 import zmq
 
 from berth_common.logging import configure_logging
+from berth_common.malloc import release_free_memory
 from berth_common.process import init_child_process
 from berth_runtime.io_struct import SchedulerStats, ToDetokenizer
 from berth_runtime.managers.detokenizer_manager import IncrementalDetokenizer, detokenize_batch
 from berth_runtime.server_args import ServerArgs
+from berth_runtime.utils.decoding_tokenizer import load_decoding_tokenizer
 from berth_runtime.utils.token_bytes import vocab_bytes
 from berth_runtime.utils.torch_free import forbid_torch
 from berth_runtime.utils.zmq_ipc import PortArgs, Receiver, Sender
@@ -29,10 +31,9 @@ def run_detokenizer_process(
     parent_pid = init_child_process("detokenizer")
     configure_logging(args.log_level, "detokenizer")
     try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = load_decoding_tokenizer(model_path)
         token_bytes = vocab_bytes(tokenizer)
+        release_free_memory()  # what reading the vocabulary left behind
         ctx = zmq.Context()
         recv_from_scheduler = Receiver(ctx, ports.detokenizer_input, ToDetokenizer)
         send_to_tokenizer = Sender(ctx, ports.tokenizer_input)

@@ -3,6 +3,7 @@ execute -> update over a SchedulePolicy, a ModelRunner and an OutputProcessor.""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from berth_runtime.model_executor.sampler import (
     sample_rows,
 )
 from berth_runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
 
 # Speculative drafts come from the latest earlier occurrence of the last NGRAM_MAX..NGRAM_MIN
 # tokens (prompt lookup's usual range: one token alone matches too often to be worth verifying).
@@ -159,6 +162,11 @@ class Scheduler:
                 kind = req.sampling_params.grammar.kind  # type: ignore[union-attr]
                 message = f"invalid {kind.replace('_', ' ')}: {e}"
                 self._finish_abort(req, message, 400, param=f"sampling_params.{kind}")
+            except Exception as e:  # the vocabulary could not be read (on the first grammar)
+                logger.exception("Grammar backend failed")
+                self._finish_abort(
+                    req, f"constrained decoding failed: {type(e).__name__}: {e}", 500
+                )
             else:
                 self.policy.waiting.append(req)
         self.grammar_queue = compiling

@@ -11,6 +11,7 @@ import torch
 import zmq
 
 from berth_common.logging import configure_logging
+from berth_common.malloc import release_free_memory
 from berth_runtime.constrained.grammar import GrammarCompiler
 from berth_runtime.io_struct import (
     AbortReq,
@@ -56,9 +57,7 @@ def run_scheduler_process(
         runner = ModelRunner(model_path, args, progress, config=files.config)
         grammar = None
         if args.grammar_backend == "xgrammar":
-            grammar = GrammarCompiler.for_tokenizer(
-                tokenizer, runner.vocab_size, files.eos_token_ids
-            )
+            grammar = GrammarCompiler.for_model(model_path, runner.vocab_size, files.eos_token_ids)
         scheduler = Scheduler(
             args,
             runner,
@@ -68,6 +67,7 @@ def run_scheduler_process(
         )
         ready.send({"status": "loading", "phase": "warming up", **progress.to_json()})
         warmup(scheduler)
+        release_free_memory()  # the bf16 copies the 4-bit weights replaced, loading's buffers
     except Exception as e:
         logger.exception("Scheduler failed to start")
         ready.send({"status": "error", "message": f"{type(e).__name__}: {e}"})

@@ -134,10 +134,6 @@ class ModelRunner:
             )
         else:
             model.load_weights(_iter_weights(model_path, progress))
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        self.prepacked = can_prepack_cpu_linears(self.dtype, self.device)
-        if self.prepacked:
-            model.prepack_cpu_linears()
         self.deterministic = args.enable_deterministic_inference
         self.speculative = args.speculative_algorithm != "none"
         self.attention_backend = self._enable_kernels(
@@ -157,6 +153,18 @@ class ModelRunner:
         self.q4_kernel: str | None = None  # which CPU kernel runs them, set by _attach_q4
         self.q4_bytes = 0 if dummy else self._attach_q4(model, model_path, q4_rows)
         self.int8_lm_head_bytes = self._attach_int8_lm_head(model, q4_rows)
+        # After the 4-bit weights: projections they run whole keep no bf16 copy.
+        self.prepacked = can_prepack_cpu_linears(self.dtype, self.device)
+        if self.prepacked:
+            freed = model.prepack_cpu_linears()
+            if freed > 0:
+                logger.info(
+                    "The 4-bit weights are the projections' only copy (%.0f MB freed)",
+                    freed / 2**20,
+                )
+        # What the model holds in its own dtype (the 4-bit and 8-bit weights: q4_bytes and
+        # int8_lm_head_bytes).
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.fused_decode = model.enable_fused_decode()  # needs berth_cpu: checks it itself
         # Only SDPA reads an attention mask; paged kernels take each sequence's length.
         self.needs_attn_mask = model.layers[0].self_attn.paged_attention is None

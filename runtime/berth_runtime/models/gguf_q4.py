@@ -172,6 +172,7 @@ class Int4Weight:
     ) -> None:
         self.max_rows = max_rows  # larger steps use the bf16 weight
         self.out_features = codes.shape[0]
+        self.in_features = codes.shape[1] * 2
         self.integer = integer
         if integer:
             self.packed, self.scales_and_zeros = pack_q4_vnni(codes, scales, zeros)
@@ -181,6 +182,16 @@ class Int4Weight:
         self.scales_and_zeros = (
             torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
         )
+
+    def dequantized(self, scratch: torch.Tensor) -> torch.Tensor:
+        """The bf16 weight [N, K], written into the front of `scratch` (a flat bf16 buffer
+        reused for every projection): bit for bit the bf16 rounding of the GGUF's dequantized
+        weight, that is, what a bf16 checkpoint of the file holds (Berth's kernel only)."""
+        out = scratch[: self.out_features * self.in_features].view(
+            self.out_features, self.in_features
+        )
+        torch.ops.berth.quant_dequantize(self.packed, self.scales_and_zeros, out)
+        return out
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.integer:

@@ -43,15 +43,18 @@ def run_linear(module: nn.Linear, x: torch.Tensor, decode_seqs: int) -> torch.Te
     int4: Int4Weight | None = getattr(module, "berth_int4", None)
     if decode_seqs and int4 is not None and decode_seqs <= int4.max_rows:
         out = int4.matmul(x)
-        return out if module.bias is None else out + module.bias
-    if getattr(module, "berth_packed", False):
+    elif module.weight is None and int4 is not None:  # the only copy (`prepack_cpu_linears`)
+        out = packed_linear(x, int4.dequantized(module.berth_scratch))
+    elif getattr(module, "berth_packed", False):
         out = packed_linear(x, module.weight)
-        return out if module.bias is None else out + module.bias
-    return linear(x, module.weight, module.bias)
+    else:
+        return linear(x, module.weight, module.bias)
+    return out if module.bias is None else out + module.bias
 
 
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
-    """x @ W.T through oneDNN. A row's result does not depend on how many rows come with it:
+    """x @ W.T through oneDNN, the weight prepacked (`_pack`) or plain [N, K] (then reordered on
+    each call, with the same results). A row's result does not depend on how many rows come with it:
     oneDNN takes a different kernel for a single row, which rounds some outputs the other way,
     so one row runs as two (1.27x the projections' time: `make bench-same-answer`); and on CPUs
     with AMX, bf16 steps of many rows run in blocks (see `row_block`). Without this, a one-token
@@ -370,7 +373,8 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.packed_lm_head: torch.Tensor | None = None  # set by prepack_cpu_linears
+        self.prepacked = False  # set by prepack_cpu_linears
+        self.packed_lm_head: torch.Tensor | None = None
         self.int8_lm_head: Int8LmHead | None = None  # set by attach_int8_lm_head
         self.fused_decode_rows = 0  # set by enable_fused_decode
         self.fused_decode_weights: list[torch.Tensor] = []
@@ -409,8 +413,9 @@ class LlamaForCausalLM(nn.Module):
         weight = self.lm_head_weight()
         if self.int8_lm_head is not None and hidden.shape[0] <= self.int8_lm_head.max_rows:
             logits = self.int8_lm_head.scores(hidden)
-        elif self.packed_lm_head is not None:
-            logits = packed_linear(hidden, self.packed_lm_head)
+        elif self.prepacked:  # the packed copy, or the plain weight beside an 8-bit one
+            head = self.packed_lm_head if self.packed_lm_head is not None else weight
+            logits = packed_linear(hidden, head)
         else:
             logits = linear(hidden, weight)
         if logits.dtype == torch.float32:
@@ -441,17 +446,42 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.paged_attention = triton_attention
 
     @torch.inference_mode()
-    def prepack_cpu_linears(self) -> None:
+    def prepack_cpu_linears(self) -> int:
         """Reorder every projection's weight (bf16 or fp32) once into oneDNN's blocked layout (after
-        loading). Unpacked, oneDNN reorders the weight on every call: prepacked, batched decode
-        projections run 1.2-1.9x faster, with bit-identical results. The packed tensor replaces the
-        weight in place (same memory). The lm_head gets a packed copy and keeps its plain weight,
-        whose rows `exact_top_logits` reads (a tied one is the embedding, kept anyway)."""
+        loading and `attach_int4`). Unpacked, oneDNN reorders the weight on every call: prepacked,
+        batched decode projections run 1.2-1.9x faster, with bit-identical results. The packed
+        tensor replaces the weight in place (same memory). The lm_head gets a packed copy and keeps
+        its plain weight, whose rows `exact_top_logits` reads (a tied one is the embedding).
+
+        Where Berth's int8 kernel runs the 4-bit weights, nothing is kept twice: a projection's
+        bf16 weight is freed, and a step too large for the 4-bit kernel runs oneDNN on the bf16
+        weight dequantized from the 4-bit one into a scratch buffer (`Int4Weight.dequantized`,
+        bit for bit the freed weight: the same answers, for about 10 % more time in those
+        projections); the lm_head gets no packed copy when the 8-bit one serves small steps.
+        Returns the bytes freed."""
+        freed = 0
+        scratch_size = 0
+        dequantized: list[nn.Linear] = []
         for module in self.modules():
-            if isinstance(module, nn.Linear) and module is not getattr(self, "lm_head", None):
+            if not isinstance(module, nn.Linear) or module is getattr(self, "lm_head", None):
+                continue
+            int4: Int4Weight | None = getattr(module, "berth_int4", None)
+            if int4 is not None and int4.integer and module.weight.dtype == torch.bfloat16:
+                freed += module.weight.nbytes
+                scratch_size = max(scratch_size, module.weight.numel())
+                module.weight = None
+                dequantized.append(module)
+            else:
                 module.weight = nn.Parameter(_pack(module.weight), requires_grad=False)
                 module.berth_packed = True
-        self.packed_lm_head = _pack(self.lm_head_weight())
+        # One buffer for them all: a step runs its projections one at a time.
+        scratch = torch.empty(scratch_size, dtype=torch.bfloat16) if dequantized else None
+        for module in dequantized:
+            module.berth_scratch = scratch
+        if self.int8_lm_head is None:
+            self.packed_lm_head = _pack(self.lm_head_weight())
+        self.prepacked = True
+        return freed - (scratch.nbytes if scratch is not None else 0)
 
     def enable_fused_decode(self) -> bool:
         """Run decode steps on the 4-bit weights through `torch.ops.berth.decode_layers`: every

@@ -1,19 +1,20 @@
 """ModelFiles: what the scheduler reads of a model directory besides its weights (the config,
-the tokenizer and the EOS ids), read with torch hidden from transformers where torch is not
-loaded yet."""
+a tokenizer that decodes, the EOS ids), read with torch hidden from transformers where torch is
+not loaded yet."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from berth_runtime.utils.decoding_tokenizer import load_decoding_tokenizer
 from berth_runtime.utils.torch_free import torch_hidden
 
 
 @dataclass
 class ModelFiles:
     config: Any  # transformers' PretrainedConfig of the model
-    tokenizer: Any
+    tokenizer: Any  # decodes (see `load_decoding_tokenizer`); xgrammar loads its own
     eos_token_ids: set[int]
 
 
@@ -22,10 +23,10 @@ def read_model_files(model_path: str) -> ModelFiles:
     config name. Called before torch is imported, transformers loads without its torch parts
     (see `torch_hidden`); afterwards, as it comes."""
     with torch_hidden():
-        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+        from transformers import AutoConfig, GenerationConfig
 
         config = AutoConfig.from_pretrained(model_path)
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = load_decoding_tokenizer(model_path)
         try:
             generation_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
         except OSError:  # no generation_config.json

@@ -28,8 +28,9 @@ files = read_model_files(embedded_model_dir())
 assert "torch" not in sys.modules or sys.modules["torch"] is None
 import torch  # hidden only while the files were read
 print("config:", type(files.config).__name__, files.config.num_hidden_layers)
-ids = files.tokenizer.encode("Paris")
+ids = files.tokenizer.backend_tokenizer.encode("Paris").ids
 print("eos:", sorted(files.eos_token_ids), "round trip:", files.tokenizer.decode(ids))
+print("tokenizer:", type(files.tokenizer).__name__)
 print("imported:", [m for m in ("sympy", "torch.distributed.tensor") if m in sys.modules])
 """
 
@@ -52,4 +53,5 @@ def test_config_and_tokenizer_read_before_torch_leave_out_transformers_torch_par
     out = run_python(READ_FILES_THEN_TORCH)
     assert "config: LlamaConfig 30" in out
     assert "eos: [2] round trip: Paris" in out
+    assert "tokenizer: TokenizerJson" in out  # decoding needs no transformers tokenizer
     assert "imported: []" in out

@@ -207,3 +207,70 @@ def test_8bit_lm_head_keeps_greedy_choices_and_leading_logprobs(bf16_runner):
     tail_ours = (ours.double() - exact).abs().mean().item()
     tail_theirs = (theirs.double() - exact).abs().mean().item()
     assert tail_ours < 4 * tail_theirs, (tail_ours, tail_theirs)
+
+
+def dequantized(packed: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(packed.shape[0] * 16, packed.shape[1] * 32, dtype=torch.bfloat16)
+    torch.ops.berth.quant_dequantize(packed, pairs, out)
+    return out
+
+
+@pytest.mark.parametrize("q4_0", [False, True])
+def test_dequantize_gives_the_bf16_rounding_of_the_exact_weight(q4_0):
+    codes, scales, zeros = random_groups(64, 96, q4_0=q4_0)
+    packed, pairs = pack_q4_vnni(codes, scales, zeros)
+    expected = dequantize_q4_vnni(packed, pairs).bfloat16()
+    assert torch.equal(dequantized(packed, pairs).view(torch.int16), expected.view(torch.int16))
+    weight = torch.randn(48, 96, generator=torch.Generator().manual_seed(5))
+    codes8, pairs8 = quantize_rows_q8(weight)
+    expected8 = dequantize_q8(codes8, pairs8).bfloat16()
+    assert torch.equal(dequantized(codes8, pairs8).view(torch.int16), expected8.view(torch.int16))
+
+
+def test_dequantize_refuses_an_out_it_cannot_fill():
+    codes, scales, zeros = random_groups(32, 64)
+    packed, pairs = pack_q4_vnni(codes, scales, zeros)
+    for out in (torch.empty(32, 96, dtype=torch.bfloat16), torch.empty(32, 64)):
+        with pytest.raises(RuntimeError, match=r"out must be a contiguous bf16 \[32, 64\]"):
+            torch.ops.berth.quant_dequantize(packed, pairs, out)
+
+
+def test_the_embedded_models_4bit_weights_dequantize_to_its_bf16_checkpoint():
+    """Bit for bit: a step run on the dequantized weight is the step a bf16 copy would run."""
+    from safetensors.torch import load_file
+
+    from tests.helpers import embedded_model_dir
+
+    checkpoint = load_file(f"{embedded_model_dir()}/model.safetensors")
+    groups = read_q4_groups(embedded_gguf_dir() / BUILTIN_GGUF)
+    names = [key.removesuffix(".codes") for key in groups if key.endswith(".codes")]
+    assert len(names) == 7 * 30
+    for name in names:
+        packed, pairs = pack_q4_vnni(*(groups[f"{name}.{f}"] for f in ("codes", "scales", "zeros")))
+        bf16 = checkpoint[name].bfloat16()
+        assert torch.equal(dequantized(packed, pairs).view(torch.int16), bf16.view(torch.int16))
+
+
+def test_defaults_keep_no_bf16_projections_and_prefill_as_if_they_did(bf16_runner):
+    """At defaults the 4-bit weights are the projections' only copy; a prefill of any length
+    computes, from their dequantized bf16, exactly what the bf16 weights do."""
+    from berth_runtime.model_executor.forward_batch import ForwardBatch
+
+    lean = load_runner(max_total_tokens=512)
+    assert lean.q4_kernel == "berth_int8"
+    projections = [
+        m.weight for layer in lean.model.layers for m in layer.modules() if hasattr(m, "berth_int4")
+    ]
+    assert len(projections) == 4 * 30 and all(w is None for w in projections)
+    assert bf16_runner.weight_bytes - lean.weight_bytes > 190 * 2**20
+    for length in (5, 100):
+        outs = []
+        for runner in (lean, bf16_runner):
+            slots = runner.kv_pool.alloc(length)
+            table = runner.req_to_token_pool.req_to_token
+            table[1, :length] = slots
+            ids = [(7 * i + 3) % 4000 for i in range(length)]
+            batch = ForwardBatch.extend(ids, [0], [length], slots, [1], table, runner.device)
+            outs.append(runner.forward(batch))
+            runner.kv_pool.free(slots)
+        assert torch.equal(outs[0], outs[1]), length

@@ -35,7 +35,7 @@ def compiler() -> GrammarCompiler:
     info = xgr.TokenizerInfo(
         TEXTS, vocab_type=xgr.VocabType.RAW, vocab_size=VOCAB, stop_token_ids=[EOS]
     )
-    return GrammarCompiler(info)
+    return GrammarCompiler(lambda: info)
 
 
 def make(runner: CountingRunner | None = None, grammar: bool = True, **kwargs) -> Scheduler:
