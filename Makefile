@@ -82,6 +82,10 @@ bench-structured: install ## Structured output: output tok/s with a JSON schema 
 bench-speculative: install ## Speculative decoding (ngram): single-stream tok/s on a rewrite and a chat workload, with and without
 	$(BIN)/python -m benchmarks.speculative $(BENCH_ARGS)
 
+.PHONY: bench-served-overhead
+bench-served-overhead: install ## Per-token cost of serving: the scheduler's decode steps in-process vs through berth serve
+	$(BIN)/python -m benchmarks.served_overhead $(BENCH_ARGS)
+
 .PHONY: bench-grammar
 bench-grammar: install ## Grammar engines: xgrammar vs llguidance, compile and per-token mask cost
 	$(BIN)/python -m benchmarks.grammar_backends $(BENCH_ARGS)

@@ -9,9 +9,17 @@ Scenarios follow the targets of issue 3 (48-token chat prompts, 128 output token
 * `c8` / `c32`: 8 / 32 concurrent requests; Berth (closed loop) vs one HF static batch (bf16).
 * `prefix`: a 2,000-token shared system prefix, two requests one after the other on a flushed
   cache; the second request's TTFT over the first's.
-* memory: the Berth server's RSS summed over all its processes (peak while benchmarking).
+* `rewrite`: single stream, three ~300-token code snippets to be repeated with one change each
+  (`benchmarks/speculative.py`), answered to the end (no `ignore_eos`); Berth with and without
+  `--speculative-algorithm ngram`, whose answers must be the same.
+* `deterministic`: 16 concurrent chat requests; Berth with `--enable-deterministic-inference` and
+  at its defaults, each server's concurrent answers checked against the same prompts sent one at
+  a time: the mode's cost, and whether a request's answer depends on its batch.
+* memory: the Berth server's RSS summed over all its processes (peak while benchmarking), and its
+  PSS after the last scenario.
 
-llama.cpp's server is measured too when `llama-server` or `llama_cpp.server` is installed.
+llama.cpp's server is measured too when `llama-server` or `llama_cpp.server` is installed, and
+the targets of issue 19 (ratios to it) are judged beside those of issue 3 (ratios to HF).
 
 A shared machine's speed drifts over minutes (other tenants' memory traffic), so the whole
 comparison runs in rounds that alternate the order of the systems (Berth first, then the baseline
@@ -33,16 +41,26 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from benchmarks.report import render, summarize_targets, target_rows
+from benchmarks.speculative import workloads as speculative_prompts
 from benchmarks.systems import log, run_berth, run_hf, run_llama_cpp
 from berth_runtime.bench.cli import positive
 from berth_runtime.bench.workload import (
     BenchRequest,
+    chat_ids,
     chat_workload,
     load_tokenizer,
     shared_prefix_workload,
 )
 
-SCENARIOS: tuple[str, ...] = ("single", "c8", "c32", "prefix")
+SCENARIOS: tuple[str, ...] = ("single", "c8", "c32", "prefix", "rewrite", "deterministic")
+# The scenarios HF generate() has a baseline for, and those llama.cpp's server runs.
+HF_SCENARIOS = ("single", "c8", "c32", "prefix")
+LLAMA_CPP_SCENARIOS = ("single", "c8", "c32", "prefix", "rewrite")
+# Berth servers beside the one at its defaults: their flags, and the scenarios each runs.
+BERTH_VARIANTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
+    "ngram": (["--speculative-algorithm", "ngram"], ("rewrite",)),
+    "deterministic": (["--enable-deterministic-inference"], ("deterministic",)),
+}
 
 
 @dataclass
@@ -59,6 +77,8 @@ class CompareConfig:
     prefix_question_len: int = 32
     prefix_output_len: int = 16
     prefix_groups: int = 1
+    num_deterministic: int = 16
+    rewrite_output_len: int = 400
     berth_dtypes: list[str] = field(default_factory=lambda: ["auto"])
     server_args: list[str] = field(default_factory=list)
     hf_single_dtypes: list[str] = field(default_factory=lambda: ["fp32"])
@@ -90,6 +110,7 @@ class Scenario:
     title: str
     concurrency: int
     requests: list[BenchRequest]
+    ignore_eos: bool = True  # False: answered to the end, as a user would read it
 
 
 def build_scenarios(cfg: CompareConfig, tokenizer: Any) -> list[Scenario]:
@@ -115,15 +136,33 @@ def build_scenarios(cfg: CompareConfig, tokenizer: Any) -> list[Scenario]:
             title = f"shared {cfg.prefix_len}-token prefix"
             out.append(Scenario(name, title, 1, requests))
             continue
+        if name == "rewrite":
+            requests = rewrite_workload(tokenizer, cfg.rewrite_output_len)
+            title = f"rewrite, single stream ({len(requests)}x<={cfg.rewrite_output_len})"
+            out.append(Scenario(name, title, 1, requests, ignore_eos=False))
+            continue
         concurrency, count = {
             "single": (1, cfg.num_single),
             "c8": (8, cfg.num_c8),
             "c32": (32, cfg.num_c32),
+            "deterministic": (cfg.num_deterministic, cfg.num_deterministic),
         }[name]
         requests = chat_workload(tokenizer, count, *lengths, seed=seed)
         title = "single stream" if concurrency == 1 else f"{concurrency} concurrent"
+        if name == "deterministic":
+            title += ", against one at a time"
         out.append(Scenario(name, f"{title} ({count}x{cfg.output_len})", concurrency, requests))
     return out
+
+
+def rewrite_workload(tokenizer: Any, output_len: int) -> list[BenchRequest]:
+    """`benchmarks.speculative`'s rewrite requests: a snippet to repeat with one change."""
+    requests = []
+    for prompt in speculative_prompts()["rewrite"]:
+        messages = [{"role": "user", "content": prompt}]
+        ids = chat_ids(tokenizer, messages)
+        requests.append(BenchRequest(prompt, ids, output_len, messages=messages))
+    return requests
 
 
 def run_round(
@@ -132,11 +171,15 @@ def run_round(
     """Every configured system once, in this round's order; {system: results, "order": [...]}."""
     runners: list[tuple[str, str, Callable[[], Any]]] = []
     if cfg.run_berth:
-        runners.append(("berth", "Berth", lambda: run_berth(cfg, scenarios, tokenizer)))
-    if cfg.run_llama_cpp:
-        runners.append(("llama_cpp", "llama.cpp", lambda: run_llama_cpp(cfg, scenarios, tokenizer)))
-    if cfg.run_hf:
-        runners.append(("hf", "HF", lambda: run_hf(cfg, scenarios)))
+        runners.append(
+            ("berth", "Berth", lambda: run_berth(cfg, scenarios, tokenizer, BERTH_VARIANTS))
+        )
+    for_llama = [s for s in scenarios if s.name in LLAMA_CPP_SCENARIOS]
+    if cfg.run_llama_cpp and for_llama:
+        runners.append(("llama_cpp", "llama.cpp", lambda: run_llama_cpp(cfg, for_llama, tokenizer)))
+    for_hf = [s for s in scenarios if s.name in HF_SCENARIOS]
+    if cfg.run_hf and for_hf:
+        runners.append(("hf", "HF", lambda: run_hf(cfg, for_hf)))
     if baseline_first:
         runners.reverse()
     one: dict[str, Any] = {"order": [label for _, label, _ in runners]}

@@ -6,13 +6,20 @@ from __future__ import annotations
 import math
 import operator
 import statistics
+from collections.abc import Callable
 from typing import Any
 
+from benchmarks.systems import differing_answers
 
-def berth_name(dtype: str, result: dict[str, Any]) -> str:
-    """ "Berth (float32)", or "Berth (auto: float32)" with the dtype the server chose."""
+
+def berth_name(key: str, result: dict[str, Any]) -> str:
+    """ "Berth (float32)", or "Berth (auto: float32)" with the dtype the server chose; a variant
+    server (`BERTH_VARIANTS` in compare.py) adds its name: "Berth (auto: bfloat16, ngram)"."""
+    dtype = result.get("dtype") or key
     chosen = _get(result, "server_info", "engine", "dtype")
-    return f"Berth ({dtype}: {chosen})" if dtype == "auto" and chosen else f"Berth ({dtype})"
+    name = f"{dtype}: {chosen}" if dtype == "auto" and chosen else dtype
+    variant = result.get("variant")
+    return f"Berth ({name}, {variant})" if variant else f"Berth ({name})"
 
 
 def _get(tree: dict[str, Any] | None, *keys: str) -> Any:
@@ -135,12 +142,16 @@ def _judge(value: float | None, goal: Goal) -> bool | None:
 
 
 def target_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets for one round, one row each per Berth dtype."""
+    """The targets for one round, one row each per Berth dtype: issue 3's against HF, issue 19's
+    against llama.cpp's server, and those of the variant servers against the same dtype's
+    defaults."""
     hf = report.get("hf") or {}
+    llama = _get(report, "llama_cpp", "scenarios") or {}
+    servers = report.get("berth") or {}
     rows: list[dict[str, Any]] = []
-    for dtype, berth in (report.get("berth") or {}).items():
+    for dtype, berth in servers.items():
         scen = berth.get("scenarios")
-        if scen is None:
+        if scen is None or berth.get("variant"):
             continue
         tag = berth_name(dtype, berth)
 
@@ -204,7 +215,97 @@ def target_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
             ("<", 2048, "MiB"),
             by_ratio=False,
         )
+        if llama:
+            _llama_rows(add, scen, llama)
+            add(
+                "memory: whole-server PSS MiB after the last scenario",
+                _get(berth, "memory", "pss_mib"),
+                None,
+                ("<=", 1024, "MiB"),
+                by_ratio=False,
+            )
+        _variant_rows(
+            add, scen, servers.get(f"{dtype} ngram"), servers.get(f"{dtype} deterministic")
+        )
     return rows
+
+
+def _llama_rows(add: Callable[..., None], scen: dict[str, Any], llama: dict[str, Any]) -> None:
+    """Issue 19's targets: ratios to llama.cpp's server on the same scenarios."""
+
+    def both(name: str, *path: str) -> tuple[Any, Any]:
+        if name not in scen or name not in llama:
+            return None, None
+        return _get(scen[name], *path), _get(llama[name], *path)
+
+    add(
+        "single stream: decode tok/s vs llama-server",
+        *both("single", "decode_tok_s", "mean"),
+        (">=", 1.1, "x"),
+    )
+    add(
+        "single stream: TTFT p50 vs llama-server",
+        *both("single", "ttft_ms", "p50"),
+        ("<=", 1.0, "x"),
+    )
+    add(
+        "8 concurrent: output tok/s vs llama-server",
+        *both("c8", "output_throughput"),
+        (">=", 2.0, "x"),
+    )
+    add(
+        "32 concurrent: output tok/s vs llama-server",
+        *both("c32", "output_throughput"),
+        (">=", 3.5, "x"),
+    )
+
+
+def _variant_rows(
+    add: Callable[..., None],
+    scen: dict[str, Any],
+    ngram: dict[str, Any] | None,
+    deterministic: dict[str, Any] | None,
+) -> None:
+    """The speculative server's gain on the rewrite workload (and its answers: plain decoding's),
+    and the deterministic mode's cost (and whether any answer depended on its batch)."""
+    spec = _get(ngram, "scenarios", "rewrite")
+    if spec and "rewrite" in scen:
+        tag = berth_name("", ngram)  # type: ignore[arg-type]
+        add(
+            "rewrite, single stream: decode tok/s with ngram speculation vs without",
+            spec["decode_tok_s"]["mean"],
+            scen["rewrite"]["decode_tok_s"]["mean"],
+            (">=", 2.0, "x"),
+            tag=tag,
+        )
+        add(
+            "rewrite: answers that differ from plain decoding's",
+            differing_answers(spec, scen["rewrite"]),
+            None,
+            ("<=", 0, "answers"),
+            by_ratio=False,
+            tag=tag,
+        )
+    det = _get(deterministic, "scenarios", "deterministic")
+    if det and "deterministic" in scen:
+        tag = berth_name("", deterministic)  # type: ignore[arg-type]
+        n = len(det["requests"])
+        add(
+            f"{n} concurrent: output tok/s, deterministic mode vs defaults (its cost)",
+            det["output_throughput"],
+            scen["deterministic"]["output_throughput"],
+            (">=", 0.9, "x"),
+            tag=tag,
+        )
+        for server, result in ((tag, det), (None, scen["deterministic"])):
+            add(
+                f"{n} concurrent: answers that differ from one at a time",
+                result.get("differ_from_solo"),
+                None,
+                ("<=", 0, "answers"),
+                by_ratio=False,
+                **({"tag": server} if server else {}),
+            )
 
 
 def _median(values: list[Any]) -> float | None:
@@ -214,8 +315,8 @@ def _median(values: list[Any]) -> float | None:
 
 def summarize_targets(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per target over every round: the median of each round's ratio (or value), judged
-    against the goal, with the per-round figures under `rounds`. Memory takes the highest
-    peak instead: a limit holds only if it held in every round."""
+    against the goal, with the per-round figures under `rounds`. Memory and differing answers
+    take the highest instead: a limit holds only if it held in every round."""
     grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for rows in rounds:
         for row in rows:
@@ -224,7 +325,7 @@ def summarize_targets(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]
     for (system, target), rows in grouped.items():
         goal: Goal = tuple(rows[0]["goal"])  # type: ignore[assignment]
         by_ratio = goal[2] == "x"
-        if target.startswith("memory"):
+        if target.startswith("memory") or goal[2] == "answers":
             peaks = [r["berth"] for r in rows if r["berth"] is not None]
             ours = max(peaks) if peaks else None
         else:
@@ -284,9 +385,9 @@ def render(report: dict[str, Any]) -> str:
             parts += ["", f"Round {index + 1} of {len(rounds)}: {' -> '.join(one['order'])}"]
         parts += ["", scenario_table({**report, **one})]
     if report.get("targets"):
-        title = "Targets (issue 3)"
+        title = "Targets (issue 3: against HF; issue 19: against llama-server, and Berth's modes)"
         if len(rounds) > 1:
-            title += f": medians over {len(rounds)} rounds (memory: the highest peak)"
+            title += f": medians over {len(rounds)} rounds (memory, answers: the highest)"
         parts += ["", title, targets_table(report["targets"])]
     memory_lines = []
     last = rounds[-1]

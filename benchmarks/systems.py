@@ -86,6 +86,8 @@ def measure_server(
             disable_tqdm=cfg.disable_tqdm,
             tokenizer=tokenizer,
             label=f"{name} {scenario.name}",
+            ignore_eos=scenario.ignore_eos,
+            keep_text=scenario.name in ("rewrite", "deterministic"),  # answers compared
         )
         if scenario.name == "prefix":
             # One flushed-cache pair per group, no warm-up (it would cache the prefix).
@@ -101,11 +103,28 @@ def measure_server(
             out["scenarios"][scenario.name] = result
             memories = [result["server_memory"]] if result.get("server_memory") else []
             _log_result(name, scenario, result)
+            if scenario.name == "deterministic":
+                bench.concurrency, bench.warmup_requests = 1, 0
+                solo = run_benchmark(bench, scenario.requests)
+                result["differ_from_solo"] = differing_answers(result, solo)
+                log(f"{name}: {result['differ_from_solo']} answers differ from one at a time")
         for memory in memories:
             peak = max(peak, memory.get("peak_rss_mib") or 0.0)
             last_pss = memory.get("pss_mib") or last_pss
     out["memory"] = {"peak_rss_mib": peak, "pss_mib": last_pss}
     return out
+
+
+def differing_answers(a: dict[str, Any], b: dict[str, Any]) -> int | None:
+    """How many requests two runs of the same workload answered differently (a failed request
+    counts as different); None without the texts."""
+    pairs = list(zip(a["requests"], b["requests"]))
+    if not pairs or any("generated_text" not in r for pair in pairs for r in pair):
+        return None
+    return sum(
+        not (x["success"] and y["success"] and x["generated_text"] == y["generated_text"])
+        for x, y in pairs
+    )
 
 
 def _mib(mem: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -137,22 +156,35 @@ def _log_result(name: str, scenario: Scenario, result: dict[str, Any]) -> None:
     )
 
 
-def run_berth(cfg: CompareConfig, scenarios: list[Scenario], tokenizer: Any) -> dict[str, Any]:
+def run_berth(
+    cfg: CompareConfig,
+    scenarios: list[Scenario],
+    tokenizer: Any,
+    variants: dict[str, tuple[list[str], tuple[str, ...]]],
+) -> dict[str, Any]:
+    """One server per dtype at the defaults, on every scenario; then, per dtype, one per variant
+    (`variants`: name -> its flags and the scenarios it runs), keyed "{dtype} {variant}"."""
     results: dict[str, Any] = {}
     for dtype in cfg.berth_dtypes:
-        args = ([] if dtype == "auto" else ["--dtype", dtype]) + cfg.server_args
-        log(f"launching berth serve {' '.join(args)}".rstrip())
-        server = berth_server("serve", *args, name="berth-bench")
-        try:
-            result = measure_server(f"Berth {dtype}", server, scenarios, cfg, tokenizer)
-            result["server_args"] = args
-            results[dtype] = result
-        except Exception as err:
-            log(f"Berth {dtype} failed: {err}\n{server.log_tail(3000)}")
-            results[dtype] = {"error": str(err), "server_args": args}
-        finally:
-            code = server.stop()
-            log(f"berth serve stopped (exit code {code}); log: {server.log_path}")
+        base = ([] if dtype == "auto" else ["--dtype", dtype]) + cfg.server_args
+        runs = [(dtype, None, base, scenarios)]
+        for variant, (flags, names) in variants.items():
+            chosen = [s for s in scenarios if s.name in names]
+            if chosen:
+                runs.append((f"{dtype} {variant}", variant, base + flags, chosen))
+        for key, variant, args, todo in runs:
+            log(f"launching berth serve {' '.join(args)}".rstrip())
+            server = berth_server("serve", *args, name="berth-bench")
+            try:
+                result = measure_server(f"Berth {key}", server, todo, cfg, tokenizer)
+                results[key] = result
+            except Exception as err:
+                log(f"Berth {key} failed: {err}\n{server.log_tail(3000)}")
+                results[key] = result = {"error": str(err)}
+            finally:
+                code = server.stop()
+                log(f"berth serve stopped (exit code {code}); log: {server.log_path}")
+            result.update(server_args=args, dtype=dtype, variant=variant)
     return results
 
 

@@ -55,6 +55,7 @@ class BenchConfig:
     extra_body: dict[str, Any] = field(default_factory=dict)
     tokenizer: Any = None  # counts output tokens when the server reports no usage
     label: str = ""  # the system's name in reports
+    keep_text: bool = False  # each request's generated text in the result (answers compared)
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
@@ -282,7 +283,7 @@ async def run_benchmark_async(cfg: BenchConfig, requests: list[BenchRequest]) ->
         **summary,
         "prompt_tokens_mismatched": mismatched,
         "server_memory": memory,
-        "requests": [r.to_dict() for r in results],
+        "requests": [r.to_dict(with_text=cfg.keep_text) for r in results],
     }
 
 

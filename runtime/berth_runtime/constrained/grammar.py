@@ -21,16 +21,27 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from berth_runtime.constrained.spec import GrammarSpec
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 # xgrammar's errors start with "[time] file.cc:line: " and sometimes a failed check's text.
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 # Compiled grammars kept in memory (xgrammar's own cache, by grammar text).
 CACHE_LIMIT_BYTES = 256 * 2**20
+
+
+def _xgr():
+    """xgrammar, imported on first use: about 40 MB of the scheduler's memory (it imports
+    transformers' tokenizer code) that a server serving no constrained request never needs."""
+    import xgrammar
+
+    return xgrammar
 
 
 class GrammarError(ValueError):
@@ -47,11 +58,11 @@ def check_grammar(spec: GrammarSpec) -> None:
     """Parse the grammar without the vocabulary (fast); raise GrammarError if it is invalid."""
     try:
         if spec.kind == "json_schema":
-            xgr.Grammar.from_json_schema(spec.source, any_whitespace=False)
+            _xgr().Grammar.from_json_schema(spec.source, any_whitespace=False)
         elif spec.kind == "regex":
-            xgr.Grammar.from_regex(spec.source)
+            _xgr().Grammar.from_regex(spec.source)
         elif spec.kind == "ebnf":
-            xgr.Grammar.from_ebnf(spec.source)
+            _xgr().Grammar.from_ebnf(spec.source)
         else:
             raise GrammarError(f"unknown grammar kind {spec.kind!r}")
     except GrammarError:
@@ -84,7 +95,7 @@ class GrammarCompiler:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(model_path)
-            return xgr.TokenizerInfo.from_huggingface(
+            return _xgr().TokenizerInfo.from_huggingface(
                 tokenizer, vocab_size=vocab_size, stop_token_ids=stop
             )
 
@@ -96,7 +107,7 @@ class GrammarCompiler:
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """Compile on the calling thread (`submit`'s, in the scheduler)."""
         if self._compiler is None:
-            self._compiler = xgr.GrammarCompiler(
+            self._compiler = _xgr().GrammarCompiler(
                 self._make_info(),
                 max_threads=1,
                 cache_enabled=True,
@@ -120,7 +131,7 @@ class Matcher:
     __slots__ = ("_matcher",)
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
-        self._matcher = xgr.GrammarMatcher(compiled)
+        self._matcher = _xgr().GrammarMatcher(compiled)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
@@ -141,7 +152,7 @@ def apply_grammars(logits: torch.Tensor, matchers: Sequence[Matcher | None]) -> 
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return
-    bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[-1])
+    bitmask = _xgr().allocate_token_bitmask(len(matchers), logits.shape[-1])
     for i in rows:
         matchers[i].fill(bitmask, i)  # type: ignore[union-attr]
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+    _xgr().apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)

@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 from benchmarks.compare import CompareConfig, failed_berth_runs
 from benchmarks.report import render, summarize_targets, target_rows
-from benchmarks.systems import prefix_ttfts
+from benchmarks.systems import differing_answers, prefix_ttfts
 from berth_runtime.bench.metrics import RequestResult, summarize
 
 
@@ -125,7 +125,7 @@ def test_render_prints_every_system_and_target():
         "32 concurrent (32x128)",
         "2nd/1st",
         "0.100x",
-        "Targets (issue 3)",
+        "Targets (issue 3",
         ">= 1.3x",
         "NO",
         "peak RSS 1,500.0 MiB",
@@ -186,3 +186,102 @@ def test_a_failed_berth_server_in_any_round_fails_the_run():
     broken = {"berth": {"auto": {"error": "exited"}}}
     assert failed_berth_runs({"rounds": [ok, ok]}) == []
     assert failed_berth_runs({"rounds": [ok, broken]}) == ["auto"]
+
+
+def with_texts(result: dict, texts: list[str]) -> dict:
+    for request, text in zip(result["requests"], texts):
+        request["generated_text"] = text
+    return result
+
+
+def with_llama_and_modes(report: dict, ngram_texts: list[str], solo_differ: int) -> dict:
+    """The fake report plus llama-server's figures, the rewrite and deterministic scenarios, and
+    the ngram and deterministic servers."""
+    report["llama_cpp"] = {
+        "kind": "llama-server",
+        "scenarios": {
+            "single": fake_result("llama-server", 3, 128, 0.1, 1 / 40, 10),  # 40 tok/s, 100 ms
+            "c8": fake_result("llama-server", 8, 128, 1.0, 0.2, 1024 / 100),
+            "c32": fake_result("llama-server", 32, 128, 4.0, 0.5, 4096 / 100),
+        },
+    }
+    berth = report["berth"]["auto"]["scenarios"]
+    berth["rewrite"] = with_texts(fake_result("b", 3, 300, 0.1, 1 / 50, 20), ["a", "b", "c"])
+    berth["deterministic"] = {
+        **fake_result("b", 16, 128, 0.3, 0.1, 2048 / 300),
+        "differ_from_solo": 0,
+    }
+    report["berth"]["auto ngram"] = {
+        "dtype": "auto",
+        "variant": "ngram",
+        "scenarios": {
+            "rewrite": with_texts(fake_result("s", 3, 300, 0.1, 1 / 120, 8), ngram_texts)
+        },
+    }
+    determined = {
+        **fake_result("d", 16, 128, 0.3, 0.1, 2048 / 285),
+        "differ_from_solo": solo_differ,
+    }
+    report["berth"]["auto deterministic"] = {
+        "dtype": "auto",
+        "variant": "deterministic",
+        "scenarios": {"deterministic": determined},
+    }
+    return report
+
+
+def test_issue_19_targets_against_llama_server_and_between_modes():
+    report = with_llama_and_modes(fake_report(), ["a", "b", "c"], solo_differ=0)
+    rows = {(row["system"], row["target"]): row for row in target_rows(report)}
+    plain, ngram, det = "Berth (auto)", "Berth (auto, ngram)", "Berth (auto, deterministic)"
+    single = rows[(plain, "single stream: decode tok/s vs llama-server")]
+    assert abs(single["ratio"] - 50 / 40) < 1e-6 and single["met"] is True
+    ttft = rows[(plain, "single stream: TTFT p50 vs llama-server")]
+    assert abs(ttft["ratio"] - 0.5) < 1e-6 and ttft["met"] is True
+    c8 = rows[(plain, "8 concurrent: output tok/s vs llama-server")]
+    assert abs(c8["ratio"] - 2.6) < 1e-6 and c8["met"] is True
+    c32 = rows[(plain, "32 concurrent: output tok/s vs llama-server")]
+    assert abs(c32["ratio"] - 4.0) < 1e-6 and c32["met"] is True
+    pss = rows[(plain, "memory: whole-server PSS MiB after the last scenario")]
+    assert pss["berth"] == 1200.0 and pss["met"] is False  # over 1 GiB
+    rewrite = rows[
+        (ngram, "rewrite, single stream: decode tok/s with ngram speculation vs without")
+    ]
+    assert abs(rewrite["ratio"] - 120 / 50) < 1e-6 and rewrite["met"] is True
+    assert rows[(ngram, "rewrite: answers that differ from plain decoding's")]["berth"] == 0
+    cost = rows[(det, "16 concurrent: output tok/s, deterministic mode vs defaults (its cost)")]
+    assert abs(cost["ratio"] - 0.95) < 1e-6 and cost["met"] is True
+    for server in (det, plain):
+        solo = rows[(server, "16 concurrent: answers that differ from one at a time")]
+        assert solo["berth"] == 0 and solo["met"] is True
+    report["targets"] = target_rows(report)
+    text = render(report)
+    for needle in (
+        "Berth (auto, ngram)",
+        "Berth (auto, deterministic)",
+        "<= 1024 MiB",
+        "<= 0 answers",
+    ):
+        assert needle in text, needle
+
+
+def test_a_changed_answer_fails_in_any_round():
+    good = with_llama_and_modes(fake_report(), ["a", "b", "c"], solo_differ=0)
+    bad = with_llama_and_modes(fake_report(), ["a", "b", "x"], solo_differ=2)
+    summary = summarize_targets([target_rows(good), target_rows(bad), target_rows(good)])
+    by_target = {(row["system"], row["target"]): row for row in summary}
+    spec = by_target[("Berth (auto, ngram)", "rewrite: answers that differ from plain decoding's")]
+    assert spec["berth"] == 1 and spec["met"] is False and spec["rounds"] == [0, 1, 0]
+    solo = by_target[
+        ("Berth (auto, deterministic)", "16 concurrent: answers that differ from one at a time")
+    ]
+    assert solo["berth"] == 2 and solo["met"] is False
+
+
+def test_differing_answers_counts_failures_and_needs_texts():
+    a = with_texts(fake_result("a", 3, 4, 0.1, 0.01, 1), ["x", "y", "z"])
+    b = with_texts(fake_result("b", 3, 4, 0.1, 0.01, 1), ["x", "y", "w"])
+    assert differing_answers(a, a) == 0 and differing_answers(a, b) == 1
+    b["requests"][0]["success"] = False
+    assert differing_answers(a, b) == 2
+    assert differing_answers(a, fake_result("c", 3, 4, 0.1, 0.01, 1)) is None
