@@ -35,7 +35,7 @@ import torch
 
 from berth_runtime.model_executor.forward_batch import ForwardBatch
 from berth_runtime.model_executor.model_runner import ModelRunner, cpu_has_native_bf16
-from berth_runtime.models.llama import _linear_pointwise, linear, packed_linear
+from berth_runtime.models.llama import _linear_pointwise, packed_linear
 from berth_runtime.models.loader import resolve_model
 from berth_runtime.server_args import ServerArgs
 
@@ -141,7 +141,7 @@ def bench_prefill(path: str, dtype: str, lengths: list[int], rounds: int) -> lis
 
 
 def bench_steps(path: str, dtype: str, batches: list[int]) -> list[Row]:
-    runner = load(path, dtype)  # the defaults: berth_cpu, 4-bit decode steps of <= 8 sequences
+    runner = load(path, dtype)  # the defaults: berth_cpu, 4-bit decode steps
     model = runner.model
     vocab = runner.vocab_size
     table = runner.req_to_token_pool.req_to_token
@@ -165,9 +165,9 @@ def bench_steps(path: str, dtype: str, batches: list[int]) -> list[Row]:
         weight = model.lm_head_weight()
 
         def bf16_lm_head(hidden=hidden, weight=weight) -> object:
-            if model.packed_lm_head is not None:
-                return packed_linear(hidden, model.packed_lm_head).max(dim=-1).indices
-            return linear(hidden, weight).max(dim=-1).indices
+            head = model.packed_lm_head if model.packed_lm_head is not None else weight
+            with torch.inference_mode():
+                return packed_linear(hidden, head).max(dim=-1).indices
 
         def exact(hidden=hidden) -> object:
             return model.compute_logits(hidden).max(dim=-1).indices
@@ -211,18 +211,23 @@ def bench_steps(path: str, dtype: str, batches: list[int]) -> list[Row]:
             )
         )
 
-    # Every projection of a one-row step: one row run as two through oneDNN, vs one row alone.
-    packed = [m for m in model.modules() if getattr(m, "berth_packed", False)]
+    # Every projection of a one-row step: one row run as two through oneDNN, vs one row alone
+    # (prepacked weights, or, where the 4-bit weights are the only copy, their bf16 dequantized).
+    packed = [
+        (m, m.weight if m.weight is not None else m.berth_int4.dequantized(m.berth_scratch).clone())
+        for m in model.modules()
+        if getattr(m, "berth_packed", False) or getattr(m, "berth_scratch", None) is not None
+    ]
     if packed:
-        xs = [torch.randn(1, m.in_features, dtype=runner.dtype) for m in packed]
+        xs = [torch.randn(1, m.in_features, dtype=runner.dtype) for m, _ in packed]
 
         def as_one() -> None:
-            for m, x in zip(packed, xs):
-                _linear_pointwise(x, m.weight)
+            for (_, w), x in zip(packed, xs):
+                _linear_pointwise(x, w)
 
         def as_two() -> None:
-            for m, x in zip(packed, xs):
-                packed_linear(x, m.weight)
+            for (_, w), x in zip(packed, xs):
+                packed_linear(x, w)
 
         before, now = interleaved(as_one, as_two)
         rows.append(

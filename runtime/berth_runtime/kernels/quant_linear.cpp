@@ -233,43 +233,82 @@ BERTH_AVX512 inline void store_bf16(c10::BFloat16* dst, __m512 v) {
                       _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 }
 
+// One output row's 32 codes (one a byte, k order) -> its 32 bf16 weights w = d q + m at `dst`.
+BERTH_AVX512 inline void dequantize_row_block(__m128i first, __m128i second, float d, float m,
+                                              c10::BFloat16* dst) {
+  const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+  const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(first));
+  const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(second));
+  store_bf16(dst, _mm512_add_ps(_mm512_mul_ps(q0, dv), mv));
+  store_bf16(dst + 16, _mm512_add_ps(_mm512_mul_ps(q1, dv), mv));
+}
+
+// Four 64-byte chunks (16 lanes x 4 bytes each) transposed: lane 4s + j's 16 bytes (its 4 bytes
+// of chunk 0, 1, 2, 3) end up in 128-bit segment s of out[j].
+BERTH_AVX512 inline void transpose_chunks(const uint8_t* chunks, __m512i out[4]) {
+  const __m512i c0 = _mm512_loadu_si512(chunks), c1 = _mm512_loadu_si512(chunks + 64);
+  const __m512i c2 = _mm512_loadu_si512(chunks + 128), c3 = _mm512_loadu_si512(chunks + 192);
+  const __m512i lo01 = _mm512_unpacklo_epi32(c0, c1), hi01 = _mm512_unpackhi_epi32(c0, c1);
+  const __m512i lo23 = _mm512_unpacklo_epi32(c2, c3), hi23 = _mm512_unpackhi_epi32(c2, c3);
+  out[0] = _mm512_unpacklo_epi64(lo01, lo23);
+  out[1] = _mm512_unpackhi_epi64(lo01, lo23);
+  out[2] = _mm512_unpacklo_epi64(hi01, hi23);
+  out[3] = _mm512_unpackhi_epi64(hi01, hi23);
+}
+
+template <int SEGMENT>
+BERTH_AVX512 inline __m128i segment(__m512i v) {
+  return _mm512_extracti32x4_epi32(v, SEGMENT);
+}
+
+// The 4 lanes 4 S + j (j = 0..3) of one block: their codes from the transposed chunks.
+template <int BITS, int S>
+BERTH_AVX512 inline void dequantize_segment(const __m512i (&first)[4], const __m512i (&second)[4],
+                                            const float* d, const float* m, int64_t k,
+                                            c10::BFloat16* block_out) {
+  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+  for (int j = 0; j < 4; ++j) {
+    const int lane = 4 * S + j;
+    __m128i a, b;  // the lane's codes k = 0..15 and 16..31
+    if constexpr (BITS == 4) {
+      const __m128i packed = segment<S>(first[j]);  // chunk c: k = 8c..8c+3 low, +4..+7 high
+      const __m128i lo = _mm_and_si128(packed, low_nibbles);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low_nibbles);
+      a = _mm_unpacklo_epi32(lo, hi);
+      b = _mm_unpackhi_epi32(lo, hi);
+    } else {
+      a = segment<S>(first[j]);  // chunks 0..3: k = 0..15
+      b = segment<S>(second[j]);  // chunks 4..7: k = 16..31
+    }
+    dequantize_row_block(a, b, d[lane], m[lane], block_out + lane * k);
+  }
+}
+
 // Groups g0..g1 of a packed weight back to bf16 rows [16 (g1 - g0), K]: w = d q + m. d q is
 // exact in fp32 (a 4- or 8-bit integer times an fp16), so w is the one fp32 rounding of the
-// GGUF's own dequantization, and its bf16 the weight a bf16 checkpoint of the file holds.
+// GGUF's own dequantization, and its bf16 the weight a bf16 checkpoint of the file holds. A
+// block's chunks are transposed in registers so that each lane's codes come out together.
 template <int BITS>
 BERTH_AVX512 void dequantize_groups(const uint8_t* codes, const c10::Half* scales, int64_t k,
                                     int64_t g0, int64_t g1, c10::BFloat16* out) {
   constexpr int64_t kChunks = BITS == 4 ? 4 : 8;
   const int64_t blocks = k / kBlock;
-  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
   for (int64_t g = g0; g < g1; ++g) {
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* tile = codes + (g * blocks + b) * kChunks * kLanes * 4;
       const c10::Half* pair = scales + (g * blocks + b) * 2 * kLanes;
-      for (int64_t lane = 0; lane < kLanes; ++lane) {
-        uint32_t words[kChunks];  // this lane's bytes of each chunk, in k order
-        for (int64_t c = 0; c < kChunks; ++c) {
-          std::memcpy(&words[c], tile + (c * kLanes + lane) * 4, 4);
-        }
-        __m128i first, second;  // codes k = 0..15 and 16..31, one a byte
-        if constexpr (BITS == 4) {
-          const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(words));
-          const __m128i lo = _mm_and_si128(packed, low_nibbles);
-          const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low_nibbles);
-          first = _mm_unpacklo_epi32(lo, hi);  // chunk c: its low nibbles, then its high ones
-          second = _mm_unpackhi_epi32(lo, hi);
-        } else {
-          first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(words));
-          second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(words + 4));
-        }
-        const __m512 d = _mm512_set1_ps(static_cast<float>(pair[lane]));
-        const __m512 m = _mm512_set1_ps(static_cast<float>(pair[kLanes + lane]));
-        c10::BFloat16* dst = out + (g * kLanes + lane) * k + b * kBlock;
-        const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(first));
-        const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(second));
-        store_bf16(dst, _mm512_add_ps(_mm512_mul_ps(q0, d), m));
-        store_bf16(dst + 16, _mm512_add_ps(_mm512_mul_ps(q1, d), m));
-      }
+      alignas(64) float d[kLanes], m[kLanes];
+      _mm512_store_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair))));
+      _mm512_store_ps(
+          m, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + kLanes))));
+      __m512i first[4], second[4];
+      transpose_chunks(tile, first);
+      if constexpr (BITS == 8) transpose_chunks(tile + 4 * kLanes * 4, second);
+      c10::BFloat16* block_out = out + g * kLanes * k + b * kBlock;
+      dequantize_segment<BITS, 0>(first, second, d, m, k, block_out);
+      dequantize_segment<BITS, 1>(first, second, d, m, k, block_out);
+      dequantize_segment<BITS, 2>(first, second, d, m, k, block_out);
+      dequantize_segment<BITS, 3>(first, second, d, m, k, block_out);
     }
   }
 }

@@ -274,3 +274,7 @@ def test_defaults_keep_no_bf16_projections_and_prefill_as_if_they_did(bf16_runne
             outs.append(runner.forward(batch))
             runner.kv_pool.free(slots)
         assert torch.equal(outs[0], outs[1]), length
+    # Rows beyond the 8-bit lm_head's: oneDNN on the plain embedding, as on its packed copy.
+    assert lean.model.packed_lm_head is None and bf16_runner.model.packed_lm_head is not None
+    hidden = outs[0].repeat(2, 1)[:130]
+    assert torch.equal(lean.compute_logits(hidden), bf16_runner.compute_logits(hidden))
