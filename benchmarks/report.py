@@ -230,34 +230,22 @@ def target_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+# Issue 19's targets against llama.cpp's server: (what, scenario, result path, goal).
+_LLAMA_TARGETS: list[tuple[str, str, tuple[str, ...], Goal]] = [
+    ("single stream: decode tok/s", "single", ("decode_tok_s", "mean"), (">=", 1.1, "x")),
+    ("single stream: TTFT p50", "single", ("ttft_ms", "p50"), ("<=", 1.0, "x")),
+    ("8 concurrent: output tok/s", "c8", ("output_throughput",), (">=", 2.0, "x")),
+    ("32 concurrent: output tok/s", "c32", ("output_throughput",), (">=", 3.5, "x")),
+]
+
+
 def _llama_rows(add: Callable[..., None], scen: dict[str, Any], llama: dict[str, Any]) -> None:
     """Issue 19's targets: ratios to llama.cpp's server on the same scenarios."""
-
-    def both(name: str, *path: str) -> tuple[Any, Any]:
-        if name not in scen or name not in llama:
-            return None, None
-        return _get(scen[name], *path), _get(llama[name], *path)
-
-    add(
-        "single stream: decode tok/s vs llama-server",
-        *both("single", "decode_tok_s", "mean"),
-        (">=", 1.1, "x"),
-    )
-    add(
-        "single stream: TTFT p50 vs llama-server",
-        *both("single", "ttft_ms", "p50"),
-        ("<=", 1.0, "x"),
-    )
-    add(
-        "8 concurrent: output tok/s vs llama-server",
-        *both("c8", "output_throughput"),
-        (">=", 2.0, "x"),
-    )
-    add(
-        "32 concurrent: output tok/s vs llama-server",
-        *both("c32", "output_throughput"),
-        (">=", 3.5, "x"),
-    )
+    for what, name, path, goal in _LLAMA_TARGETS:
+        present = name in scen and name in llama
+        ours = _get(scen[name], *path) if present else None
+        theirs = _get(llama[name], *path) if present else None
+        add(f"{what} vs llama-server", ours, theirs, goal)
 
 
 def _variant_rows(
