@@ -44,9 +44,12 @@ DEPLOY = "apps/v1/deployments"
 POD = "v1/pods"
 INTERVAL = 0.25  # the operator's scrape interval in these tests
 SLOW = 60.0  # waits that involve model work on a loaded 2-core machine
-# Long enough to outlast the 4 s scale-down delay with room on a fast machine (about 12 s at
-# 100 tokens/s); 30 s at 40 tokens/s on a loaded 2-core one.
-LONG_TOKENS = 1200
+# Long enough to outlast the 4 s scale-down delay with room on a fast machine (about 10 s at
+# 200 tokens/s); 50 s at 40 tokens/s on a loaded 2-core one.
+LONG_TOKENS = 2000
+# A burst's requests must keep a queue for several scrape windows even where the engine is fast:
+# two rows decode at about 150 tokens/s each on 2 cores, so a batch of two takes 1 s or more.
+BURST_TOKENS = 160
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +187,9 @@ async def test_queue_scales_up_and_idle_scales_down_draining_the_rank_first(
 
         # A burst on rank 0: two run, six wait, far above one queued request per rank.
         async with httpx.AsyncClient() as client:
-            burst = [asyncio.create_task(generate(client, ranks[0], 48)) for _ in range(8)]
+            burst = [
+                asyncio.create_task(generate(client, ranks[0], BURST_TOKENS)) for _ in range(8)
+            ]
             await eventually(lambda: sts_replicas(cluster, name) == 2, timeout=SLOW, what="2")
             await eventually(lambda: status_of(cluster, name).get("desiredReplicas") == 2)
             status = status_of(cluster, name)
@@ -208,7 +213,7 @@ async def test_queue_scales_up_and_idle_scales_down_draining_the_rank_first(
             # Rank 1 gets a long request now, so it is busy when the scale-down comes.
             long_request = asyncio.create_task(generate(client, ranks[1], LONG_TOKENS))
             results = await asyncio.gather(*burst)
-            assert [r["meta_info"]["completion_tokens"] for r in results] == [48] * 8
+            assert [r["meta_info"]["completion_tokens"] for r in results] == [BURST_TOKENS] * 8
 
             # Rank 1 leaves routing first, and keeps its pod while it finishes the request.
             await eventually(
@@ -336,7 +341,9 @@ async def test_one_rank_queueing_far_above_the_other_is_reported_as_imbalance(
         await start_ranks(cluster, name, ranks, "pod-skewed")
         # Everything goes to rank 1 (as a bad routing key would do): two run, ten wait.
         async with httpx.AsyncClient() as client:
-            burst = [asyncio.create_task(generate(client, ranks[1], 32)) for _ in range(12)]
+            burst = [
+                asyncio.create_task(generate(client, ranks[1], BURST_TOKENS)) for _ in range(12)
+            ]
             await eventually(
                 lambda: reason(cluster, name, "Degraded") == "RankImbalance",
                 timeout=SLOW,
