@@ -143,7 +143,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly():
     assert httpx.get(f"{srv.base_url}/v1/models").json()["data"][0]["id"] == BUILTIN_GGUF[:-5]
 
     result: dict = {}
-    body = {"text": "Count slowly:", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    body = {"text": "Count slowly:", "sampling_params": {"max_new_tokens": 800, "ignore_eos": True}}
 
     def in_flight() -> None:
         result["r"] = httpx.post(f"{srv.base_url}/generate", json=body, timeout=120)
@@ -165,7 +165,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly():
 
     t.join(120)
     assert result["r"].status_code == 200, result["r"].text
-    assert result["r"].json()["meta_info"]["completion_tokens"] == 400
+    assert result["r"].json()["meta_info"]["completion_tokens"] == 800
     assert srv.proc.wait(60) == 0
     srv.stop()
     wait_for(lambda: not live_pids(children), 10, what=f"children {live_pids(children)} to exit")

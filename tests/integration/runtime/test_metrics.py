@@ -83,10 +83,12 @@ def test_counters_equal_the_traffic(server, client: openai.OpenAI, http: httpx.C
 def test_gauges_move_under_load_and_return_to_idle(server):
     # Distinct prompts: requests sharing a prefix would share its KV slots through the cache.
     names = ["Alpha", "Bravo", "Charlie", "Delta", "Echo", "Foxtrot"]
+    # Enough tokens that the requests run for several 0.2 s scrapes at 6 x 150 tokens/s.
+    tokens = 160
     bodies = [
         {
             "text": f"{name} tells a long story.",
-            "sampling_params": {"max_new_tokens": 48, "ignore_eos": True},
+            "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True},
         }
         for name in names
     ]
@@ -124,7 +126,7 @@ def test_gauges_move_under_load_and_return_to_idle(server):
     wait_for(
         lambda: (
             metric(scrape(server.base_url), "berth:scheduler_generated_tokens")
-            >= generated_before + 6 * 48
+            >= generated_before + 6 * tokens
         ),
         10,
         what="the generated-token count in the heartbeat",
