@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -31,6 +32,11 @@ HealthStatus = Literal["unknown", "healthy", "unhealthy"]
 # A rank's own /health says it will not serve for a while: out of rotation without a second look.
 DEFINITIVE_PHASES = frozenset({"loading", "draining", "dead"})
 _UNKNOWN_RANK = object()
+# A rank may count a request a little after this router saw it end: a poll's answer counts as
+# ours every request that ended this long before the poll was sent.
+END_GRACE_S = 0.05
+# How long ended requests are remembered for that (well over a poll's round trip).
+ENDS_KEPT_S = 10.0
 
 
 class HealthState:
@@ -84,7 +90,10 @@ class LoadSnapshot:
     waiting: int
     token_usage: float
     received: float  # monotonic time it arrived
-    router_in_flight: int  # this router's own in-flight count at that moment
+    # This router's requests that the rank may have counted: in flight when the answer arrived,
+    # or ended while the poll was out (the rank counted them when it answered, this router no
+    # longer does; not subtracting them made a phantom request that steered the next one away).
+    router_in_flight: int
 
 
 @dataclass
@@ -97,6 +106,7 @@ class Worker:
     load_snapshot: LoadSnapshot | None = None
     reported_rank: Any = _UNKNOWN_RANK  # what the rank itself says (--dp-rank), once asked
     served: int = 0
+    ended: deque[float] = field(default_factory=deque, repr=False)  # monotonic end times
     check_task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -110,6 +120,15 @@ class Worker:
         if not self.endpoint_ready:
             return "its endpoint is not ready"
         return self.health.reason or self.health.status
+
+    def ended_since(self, since: float) -> int:
+        """This router's requests to the rank that ended at `since` or later."""
+        count = 0
+        for at in reversed(self.ended):
+            if at < since:
+                break
+            count += 1
+        return count
 
     def load(self, now: float, max_age: float) -> float:
         """This router's requests in flight there, plus what others sent it (from /get_load)."""
@@ -251,6 +270,10 @@ class WorkerRegistry:
 
     def end(self, worker: Worker) -> None:
         worker.in_flight -= 1
+        now = time.monotonic()
+        worker.ended.append(now)
+        while worker.ended[0] < now - ENDS_KEPT_S:
+            worker.ended.popleft()
         if self.workers.get(worker.rank) is worker:
             self.metrics.in_flight.labels(str(worker.rank)).set(worker.in_flight)
 
@@ -367,6 +390,7 @@ class WorkerRegistry:
 
     async def _poll_load(self, worker: Worker) -> None:
         url = worker.url
+        sent = time.monotonic()
         try:
             response = await self.client.get(f"{url}/get_load")
             response.raise_for_status()
@@ -380,7 +404,7 @@ class WorkerRegistry:
                 waiting=waiting,
                 token_usage=float(data.get("token_usage") or 0.0),
                 received=time.monotonic(),
-                router_in_flight=worker.in_flight,
+                router_in_flight=worker.in_flight + worker.ended_since(sent - END_GRACE_S),
             )
         except (httpx.HTTPError, ValueError, TypeError, AttributeError) as e:
             logger.debug("Load poll of rank %d failed: %s", worker.rank, e)

@@ -131,6 +131,7 @@ def event_loop(scheduler: Scheduler, ports: PortArgs, parent_pid: int) -> None:
     send_to_detokenizer = Sender(ctx, ports.detokenizer_input)
     send_to_tokenizer = Sender(ctx, ports.tokenizer_input)
     last_heartbeat = 0.0
+    was_idle = True
     last_log = time.monotonic()
     clock = StepClock()
     report_long_steps(clock, ctx, ports.tokenizer_input)
@@ -156,8 +157,13 @@ def event_loop(scheduler: Scheduler, ports: PortArgs, parent_pid: int) -> None:
             if out is not None:
                 send_to_detokenizer.send(out)
             now = time.monotonic()
-            if now - last_heartbeat >= HEARTBEAT_INTERVAL_S:
+            idle = scheduler.is_idle
+            # Going busy or idle is published at once: a router or an autoscaler reading
+            # /get_load just after the last request ended would otherwise see it running for up
+            # to a heartbeat, and send the next request elsewhere.
+            if now - last_heartbeat >= HEARTBEAT_INTERVAL_S or idle != was_idle:
                 last_heartbeat = now
+                was_idle = idle
                 stats = scheduler.get_stats()
                 send_to_detokenizer.send(stats)
                 if now - last_log >= LOG_INTERVAL_S and not scheduler.is_idle:

@@ -168,6 +168,16 @@ def test_stored_responses_are_continued_and_read_on_the_rank_that_holds_them(
     assert info.value.param == "previous_response_id"
 
 
+def test_one_request_at_a_time_takes_turns_over_the_idle_ranks(
+    router: RunningRouter, model: str
+) -> None:
+    """Short distinct prompts share no prefix worth following: on idle ranks they take turns.
+    (Each rank's /get_load once showed a request that had just ended as still running, and the
+    next requests avoided that rank: six in a row could land on one.)"""
+    ranks = [served_by(complete(router.base_url, model, f"Tell me {n}.")) for n in range(3 * RANKS)]
+    assert Counter(ranks) == dict.fromkeys(range(RANKS), 3), ranks
+
+
 def test_structured_output_and_tool_calls_pass_through_unchanged(
     router: RunningRouter, model: str
 ) -> None:

@@ -80,6 +80,22 @@ def test_counters_equal_the_traffic(server, client: openai.OpenAI, http: httpx.C
     assert delta("sglang:http_responses_total", status_code="400", **completions) == 1
 
 
+def test_get_load_drops_a_finished_request_at_once(server):
+    """A router places the next request by /get_load: a request that has just ended must not
+    count as running there for the rest of the scheduler's half-second heartbeat (it once did,
+    and sequential requests through the router then avoided the rank that had just served)."""
+    for i in range(6):
+        body = {"text": f"Request {i}:", "sampling_params": {"max_new_tokens": 64}}
+        assert httpx.post(f"{server.base_url}/generate", json=body, timeout=60).status_code == 200
+
+        def idle() -> dict:
+            load = httpx.get(f"{server.base_url}/get_load", timeout=5).json()
+            busy = load["num_running_reqs"], load["num_waiting_reqs"], load["num_inflight_requests"]
+            return {} if any(busy) else load
+
+        wait_for(idle, 0.1, interval=0.005, what=f"request {i} to leave /get_load")
+
+
 def test_gauges_move_under_load_and_return_to_idle(server):
     # Distinct prompts: requests sharing a prefix would share its KV slots through the cache.
     names = ["Alpha", "Bravo", "Charlie", "Delta", "Echo", "Foxtrot"]

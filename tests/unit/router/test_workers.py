@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +92,7 @@ class FakeRanks:
         self.rank_of: dict[str, int | None] = {}
         self.down: set[str] = set()
         self.load: dict[str, dict[str, Any]] = {}
+        self.while_answering_load: Callable[[], None] = lambda: None
         self.requests: list[httpx.Request] = []
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
@@ -105,7 +106,9 @@ class FakeRanks:
         if request.url.path == "/get_server_info":
             return httpx.Response(200, json={"dp_rank": self.rank_of.get(host, int(host[1:]))})
         if request.url.path == "/get_load":
-            return httpx.Response(200, json=self.load.get(host, {}))
+            answer = httpx.Response(200, json=self.load.get(host, {}))
+            self.while_answering_load()  # what the router does before the answer reaches it
+            return answer
         return httpx.Response(404)
 
 
@@ -241,6 +244,31 @@ async def test_load_poll_reads_get_load(fake: FakeRanks) -> None:
     snap = registry.get(0).load_snapshot
     assert snap is not None and (snap.requests, snap.running, snap.waiting) == (7, 4, 2)
     assert registry.load_of(registry.get(0)) == 7.0
+    await registry.close()
+
+
+async def test_a_request_that_ends_while_the_poll_is_out_is_not_load_from_elsewhere(
+    fake: FakeRanks,
+) -> None:
+    registry = await registry_with(fake)
+    registry.set_static(("http://r0",))
+    await registry.initial_checks()
+    worker = registry.get(0)
+    registry.begin(worker)
+    # The rank counts this router's request when it answers; the request ends (at the router)
+    # before the answer arrives.
+    fake.load["r0"] = {"num_running_reqs": 1, "num_inflight_requests": 1}
+    fake.while_answering_load = lambda: registry.end(worker)
+    await registry._poll_load(worker)
+    assert worker.in_flight == 0
+    assert registry.load_of(worker) == 0.0  # no phantom request to steer the next one away
+
+    # A request of this router's that ended well before the poll is not subtracted: the rank's
+    # one request in flight came from elsewhere.
+    fake.while_answering_load = lambda: None
+    worker.ended[-1] -= 1.0
+    await registry._poll_load(worker)
+    assert registry.load_of(worker) == 1.0
     await registry.close()
 
 
