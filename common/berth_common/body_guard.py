@@ -4,14 +4,16 @@ An ASGI middleware for `berth serve` and `berth router`. Before the app sees a b
 
 - its size: past the limit, 413 as soon as the `Content-Length` or the bytes received say so,
   without reading the rest into memory;
-- that a JSON body is JSON in UTF-8, nested at most MAX_DEPTH deep (Python's parser would
-  otherwise recurse until it fails), with no lone UTF-16 surrogate in any string (`"\\ud800"`
-  parses, but no tokenizer or encoder can take it) and no integer beyond 64 bits (the engine's
-  messages carry int64).
+- that a JSON body is JSON in UTF-8 (a 400 naming the line and column where it is not), nested
+  at most MAX_DEPTH deep (Python's parser would otherwise recurse until it fails), with no lone
+  UTF-16 surrogate in any string (`"\\ud800"` parses, but no tokenizer or encoder can take it)
+  and no integer beyond 64 bits (the engine's messages carry int64).
 
 Each refusal is a 400 or 413 with OpenAI's error body, `param` naming the field (`messages.0.
-content`). Parsing and checking run in a worker thread, so a large body does not hold up the
-event loop (and `/health`) while it is read.
+content`). A body sent without a JSON content type (`curl -d` says form-urlencoded) is checked as
+JSON and handed on as `application/json`, so that the OpenAI routes parse it as llama.cpp's and
+the native `/generate` do. Parsing and checking run in a worker thread, so a large body does not
+hold up the event loop (and `/health`) while it is read.
 """
 
 from __future__ import annotations
@@ -64,11 +66,14 @@ class BodyGuardMiddleware:
             chunks.append(chunk)
             more = message.get("more_body", False)
         body = b"".join(chunks)
-        if body and is_json(headers.get(b"content-type", b"")):
+        content_type = headers.get(b"content-type", b"")
+        if body and is_json(content_type):
             problem = await asyncio.to_thread(check_json, body)
             if problem is not None:
                 await error_response(problem)(scope, receive, send)
                 return
+            if media_type(content_type) != JSON_MEDIA_TYPE:
+                scope = with_json_content_type(scope)
 
         replayed = False
 
@@ -91,15 +96,27 @@ def too_large(limit: int) -> RequestError:
     )
 
 
+JSON_MEDIA_TYPE = b"application/json"
+
+
+def media_type(content_type: bytes) -> bytes:
+    return content_type.split(b";", 1)[0].strip().lower()
+
+
 def is_json(content_type: bytes) -> bool:
-    # Clients that send JSON without saying so (curl -d) are parsed as JSON by the routes too.
-    kind = content_type.split(b";", 1)[0].strip().lower()
-    return kind in (b"", b"application/json", b"application/x-www-form-urlencoded")
+    # Clients that send JSON without saying so (curl -d) get it read as JSON all the same.
+    return media_type(content_type) in (b"", JSON_MEDIA_TYPE, b"application/x-www-form-urlencoded")
+
+
+def with_json_content_type(scope: dict) -> dict:
+    """`scope` with its body declared JSON, so that the routes' body parsing reads it."""
+    headers = [(k, v) for k, v in scope.get("headers") or [] if k.lower() != b"content-type"]
+    return {**scope, "headers": [*headers, (b"content-type", JSON_MEDIA_TYPE)]}
 
 
 def check_json(body: bytes) -> RequestError | None:
-    """What is wrong with a JSON body that the routes' parser would choke on; None if nothing.
-    A body that is not JSON at all is left to the routes, which answer 400 for it."""
+    """What is wrong with a JSON body: not JSON, or JSON the routes' parser would choke on;
+    None if nothing."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -108,8 +125,10 @@ def check_json(body: bytes) -> RequestError | None:
         value = json.loads(text)
     except RecursionError:
         return too_deep()
-    except ValueError:
-        return None
+    except json.JSONDecodeError as e:
+        return RequestError(
+            f"the request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})"
+        )
     return check_value(value)
 
 

@@ -451,7 +451,9 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> RequestError:
     dotted (`messages.0.content`)."""
     locs = [tuple(err["loc"])[1:] if err["loc"][:1] == ("body",) else err["loc"] for err in errors]
     details = [
-        f"{'.'.join(str(part) for part in loc) or 'body'}: {err['msg']}"
+        "the request has no body: send a JSON object"
+        if not loc and err.get("type") == "missing"
+        else f"{'.'.join(str(part) for part in loc) or 'body'}: {err['msg']}"
         for loc, err in zip(locs, errors, strict=True)
     ]
     params = [_dotted(loc) for loc in locs if loc]

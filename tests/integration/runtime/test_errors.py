@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -56,8 +57,25 @@ def test_unknown_model_is_404(http: httpx.Client):
 
 def test_malformed_json_is_400(http: httpx.Client):
     resp = http.post(CHAT, content=b"{not json", headers={"content-type": "application/json"})
-    assert_error(resp, 400)
+    err = assert_error(resp, 400)
+    assert err["message"].startswith("the request body is not valid JSON: "), err
+    assert "line 1, column 2" in err["message"]
     assert_error(http.post("/generate", content=b"[1,2"), 400)
+    err = assert_error(http.post(CHAT, headers={"content-type": "application/json"}), 400)
+    assert err["message"] == "the request has no body: send a JSON object"
+
+
+def test_json_without_a_json_content_type_is_read_as_json(http: httpx.Client):
+    """What `curl -d '{...}'` sends, without `-H 'Content-Type: application/json'`."""
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+    for path, payload in ((CHAT, body), ("/v1/completions", {**body, "prompt": "hi"})):
+        payload = {k: v for k, v in payload.items() if path == CHAT or k != "messages"}
+        resp = http.post(path, content=json.dumps(payload).encode(), headers=form)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] == 2
+    err = assert_error(http.post(CHAT, content=b"model=x", headers=form), 400)
+    assert "not valid JSON" in err["message"]
 
 
 def test_prompt_longer_than_context_is_400(http: httpx.Client):

@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 from fastapi import FastAPI, Request
+from pydantic import BaseModel
 
 from berth_common.body_guard import MAX_DEPTH, BodyGuardMiddleware, check_json
 from berth_common.http import add_error_handlers
@@ -81,4 +82,39 @@ def test_edges_that_are_fine() -> None:
     assert check_json(b'{"n": 9223372036854775807, "m": -9223372036854775808}') is None
     assert check_json(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH) is None
     assert check_json(b'{"emoji": "\\ud83d\\ude00"}') is None  # a surrogate pair is a character
-    assert check_json(b"{not json") is None  # left to the routes, which answer 400
+    problem = check_json(b'{"model": "m",\n "n": 1,}')
+    assert problem is not None and problem.status_code == 400
+    assert "not valid JSON" in problem.message and "line 2, column 9" in problem.message
+
+
+class TypedBody(BaseModel):  # at module level: FastAPI resolves the annotation by name
+    n: int
+
+
+async def test_json_sent_as_a_form_reaches_the_app_as_json() -> None:
+    """`curl -d` declares form-urlencoded; the routes must still read the body as JSON."""
+    app = FastAPI()
+    add_error_handlers(app, "test error")
+
+    @app.post("/typed")
+    async def typed(body: TypedBody, request: Request) -> dict:
+        return {"n": body.n, "content_type": request.headers["content-type"]}
+
+    transport = httpx.ASGITransport(app=BodyGuardMiddleware(app, lambda: LIMIT))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        for content_type in ("application/x-www-form-urlencoded", None):
+            headers = {"content-type": content_type} if content_type else {}
+            response = await client.post("/typed", content=b'{"n": 7}', headers=headers)
+            assert response.json() == {"n": 7, "content_type": "application/json"}, content_type
+        not_json = await client.post(
+            "/typed", content=b"n=7", headers={"content-type": "application/x-www-form-urlencoded"}
+        )
+        assert not_json.status_code == 400
+        assert "not valid JSON" in not_json.json()["error"]["message"]
+        # A declared JSON body keeps its header as sent.
+        response = await client.post(
+            "/typed",
+            content=b'{"n": 1}',
+            headers={"content-type": "application/json; charset=utf-8"},
+        )
+        assert response.json() == {"n": 1, "content_type": "application/json; charset=utf-8"}

@@ -275,6 +275,8 @@ def test_validation_error_strips_the_body_prefix_and_lists_every_error() -> None
     assert err.message == "messages.0.content: bad part; n: too big"
     assert err.body()["error"]["type"] == "BadRequestError"
     assert validation_error([{"loc": ("body",), "msg": "not an object"}]).param is None
+    empty = validation_error([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
+    assert empty.message == "the request has no body: send a JSON object"
 
 
 def test_responses_parse_as_the_openai_sdk_types() -> None:
