@@ -93,7 +93,7 @@ class LoadSnapshot:
     # This router's requests that the rank may have counted: in flight when the answer arrived,
     # or ended while the poll was out (the rank counted them when it answered, this router no
     # longer does; not subtracting them made a phantom request that steered the next one away).
-    router_in_flight: int
+    own_requests: int
 
 
 @dataclass
@@ -135,7 +135,7 @@ class Worker:
         snap = self.load_snapshot
         if snap is None or now - snap.received > max_age:
             return float(self.in_flight)
-        return float(self.in_flight + max(0, snap.requests - snap.router_in_flight))
+        return float(self.in_flight + max(0, snap.requests - snap.own_requests))
 
     def describe(self, now: float, max_age: float) -> dict[str, Any]:
         snap = self.load_snapshot
@@ -404,7 +404,7 @@ class WorkerRegistry:
                 waiting=waiting,
                 token_usage=float(data.get("token_usage") or 0.0),
                 received=time.monotonic(),
-                router_in_flight=worker.in_flight + worker.ended_since(sent - END_GRACE_S),
+                own_requests=worker.in_flight + worker.ended_since(sent - END_GRACE_S),
             )
         except (httpx.HTTPError, ValueError, TypeError, AttributeError) as e:
             logger.debug("Load poll of rank %d failed: %s", worker.rank, e)

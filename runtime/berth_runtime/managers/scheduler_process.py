@@ -166,7 +166,7 @@ def event_loop(scheduler: Scheduler, ports: PortArgs, parent_pid: int) -> None:
                 was_idle = idle
                 stats = scheduler.get_stats()
                 send_to_detokenizer.send(stats)
-                if now - last_log >= LOG_INTERVAL_S and not scheduler.is_idle:
+                if now - last_log >= LOG_INTERVAL_S and not idle:
                     last_log = now
                     logger.info(
                         "Decode batch. #running-req: %d, #queue-req: %d, token usage: %.2f, "

@@ -223,10 +223,10 @@ def test_load_is_own_in_flight_plus_what_others_sent() -> None:
     worker.in_flight = 3
     assert worker.load(now=10.0, max_age=2.0) == 3.0
     # The rank had 10 in flight when this router had 2 there: 8 came from elsewhere.
-    worker.load_snapshot = LoadSnapshot(10, 6, 4, 0.5, received=9.5, router_in_flight=2)
+    worker.load_snapshot = LoadSnapshot(10, 6, 4, 0.5, received=9.5, own_requests=2)
     assert worker.load(now=10.0, max_age=2.0) == 3 + 8
     assert worker.load(now=20.0, max_age=2.0) == 3.0  # stale: ignored
-    worker.load_snapshot = LoadSnapshot(1, 1, 0, 0.1, received=9.5, router_in_flight=2)
+    worker.load_snapshot = LoadSnapshot(1, 1, 0, 0.1, received=9.5, own_requests=2)
     assert worker.load(now=10.0, max_age=2.0) == 3.0  # never below our own count
 
 
