@@ -66,8 +66,13 @@ help: ## Show this help
 bench: install ## Berth vs HF transformers generate() (and llama-server, when built) side by side (quick; BENCH_ARGS="--full" for all)
 	$(BIN)/python -m benchmarks.compare $(BENCH_ARGS)
 
+.PHONY: bench-avx2
+bench-avx2: install ## `make bench` as an AVX2-only CPU runs it, on any x86 CPU: Berth under BERTH_CPU_ISA=avx2 vs llama-server built for AVX2
+	LLAMA_ISA=avx2 $(MAKE) llama-server
+	BERTH_CPU_ISA=avx2 $(BIN)/python -m benchmarks.compare --skip-hf --scenarios single,c8,c32 $(BENCH_ARGS)
+
 .PHONY: llama-server
-llama-server: ## Build (or reuse, cached by version) llama.cpp's llama-server from the llama-cpp-python sdist, for `make bench`
+llama-server: ## Build (or reuse, cached by version) llama.cpp's llama-server from the llama-cpp-python sdist, for `make bench` (LLAMA_ISA=avx2: for AVX2 CPUs)
 	PYTHON=$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) hack/llama-server/build.sh
 
 .PHONY: bench-limits

@@ -51,6 +51,7 @@ from berth_runtime.bench.workload import (
     load_tokenizer,
     shared_prefix_workload,
 )
+from berth_runtime.utils import cpu_isa
 
 SCENARIOS: tuple[str, ...] = ("single", "c8", "c32", "prefix", "rewrite", "deterministic")
 # The scenarios HF generate() has a baseline for, and those llama.cpp's server runs.
@@ -227,6 +228,11 @@ def compare(cfg: CompareConfig) -> dict[str, Any]:
     report["rounds"] = rounds
     if cfg.run_llama_cpp and all(one.get("llama_cpp") is None for one in rounds):
         report["notes"].append("llama.cpp server not installed: not measured")
+    if cpu_isa.isa_cap() is not None:
+        report["notes"].append(
+            f"CPU capped to {cpu_isa.isa_cap()} ({cpu_isa.ISA_ENV}): Berth's kernels, PyTorch, "
+            "oneDNN and MKL, and the llama-server build (LLAMA_ISA), run that code only"
+        )
     report["targets"] = summarize_targets([one["targets"] for one in rounds])
     report["duration_s"] = time.time() - started
     return report

@@ -19,6 +19,7 @@ from berth_common.server_process import ServerProcess, berth_server, free_port
 from berth_runtime.bench.client import BenchConfig, run_benchmark
 from berth_runtime.bench.memory import tree_memory
 from berth_runtime.bench.workload import EMBEDDED_MODEL
+from berth_runtime.utils import cpu_isa
 
 if TYPE_CHECKING:
     from benchmarks.compare import CompareConfig, Scenario
@@ -191,7 +192,11 @@ def run_berth(
 def find_llama_cpp() -> tuple[str, list[str]] | None:
     """How to start llama.cpp's server here: ("llama-server", argv prefix) for one on PATH or
     built by `make llama-server`, or ("llama_cpp.server", argv prefix) for llama-cpp-python's;
-    None when none is installed."""
+    None when none is installed. Under BERTH_CPU_ISA=avx2 only the AVX2 build counts (`make
+    llama-server LLAMA_ISA=avx2`): Berth and llama.cpp then both run AVX2 code."""
+    if cpu_isa.isa_cap() is not None:
+        binary = built_llama_server()
+        return ("llama-server", [binary]) if binary else None
     binary = shutil.which("llama-server") or built_llama_server()
     if binary:
         return "llama-server", [binary]
@@ -207,8 +212,13 @@ def built_llama_server() -> str | None:
     script = Path(__file__).parents[1] / "hack" / "llama-server" / "build.sh"
     if not script.is_file():
         return None
+    isa = cpu_isa.isa_cap() or "native"
     result = subprocess.run(
-        ["bash", str(script), "--print-path"], capture_output=True, text=True, check=False
+        ["bash", str(script), "--print-path"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "LLAMA_ISA": isa},
     )
     path = result.stdout.strip()
     return path if result.returncode == 0 and os.access(path, os.X_OK) else None

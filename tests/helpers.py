@@ -10,12 +10,26 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
+import pytest
+
 from berth_common.cli import berth_command
 from berth_common.server_process import ServerProcess, free_port
+from berth_runtime.utils import cpu_isa
 
 T = TypeVar("T")
 
 BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# bf16 cannot run on an AVX2-only CPU (or under BERTH_CPU_ISA=avx2): tests of bf16 itself skip
+# there, saying what the CPU lacks; tests of what bf16 is only the vehicle for take
+# REDUCED_DTYPE instead.
+needs_bf16 = pytest.mark.skipif(
+    cpu_isa.bf16_problem() is not None,
+    reason="needs bf16 on the CPU: AVX-512BW/VL/DQ, AVX512-BF16, AMX or AVX-NE-CONVERT",
+)
+# The dtype of the CPU's fast path: bf16 where it runs, else fp32 (AVX2), with the 4-bit weights
+# in both.
+REDUCED_DTYPE = "bfloat16" if cpu_isa.bf16_problem() is None else "float32"
 
 
 def embedded_gguf_dir() -> Path:

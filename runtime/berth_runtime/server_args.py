@@ -40,7 +40,9 @@ class ServerArgs(DataclassCli):
         default="auto",
         metadata={
             "help": "Weight, activation and KV cache dtype; auto = bfloat16 on CUDA and on CPUs "
-            "with native bf16 (AVX512-BF16/AMX), float32 on other CPUs."
+            "with native bf16 (AVX512-BF16/AMX), float32 on other CPUs (with a GGUF source's "
+            "4-bit weights for decode steps). bfloat16 on a CPU that cannot run it (AVX2 only) "
+            "is refused at start-up."
         },
     )
     load_format: Literal["auto", "dummy"] = field(
@@ -55,10 +57,12 @@ class ServerArgs(DataclassCli):
     gguf_q4_max_batch: int | None = field(
         default=None,
         metadata={
-            "help": "On CPU in bfloat16, run decode steps of at most this many sequences with a "
-            "GGUF source's own 4-bit Q4_0/Q4_1 projection weights (a quarter of the bytes; "
-            "prefill and larger decode steps use bf16); 0 turns it off. Default: every decode "
-            "step where Berth's int8 kernel runs (AVX-512BW), else 8 (PyTorch's int4 kernel)."
+            "help": "On CPU, run decode steps of at most this many sequences with a GGUF "
+            "source's own 4-bit Q4_0/Q4_1 projection weights (a quarter of the bytes; prefill "
+            "and larger decode steps use the bf16 or fp32 weights); 0 turns it off. Default in "
+            "bfloat16: every decode step where Berth's int8 kernel runs (AVX2 or AVX-512), else "
+            "8 (PyTorch's int4 kernel); in float32: every decode step where --dtype auto chose "
+            "float32 and Berth's kernel runs, else 0 (an explicit float32 stays fp32 throughout)."
         },
     )
     attention_backend: Literal["auto", "torch_native", "berth_cpu", "triton"] = field(

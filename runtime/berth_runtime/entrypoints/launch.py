@@ -26,10 +26,12 @@ from berth_runtime.model_executor.device import (
     berth_cpu_problem,
     berth_cpu_required_by,
     check_device,
+    resolved_device_type,
     triton_problem,
 )
 from berth_runtime.models.loader import ModelSourceError, check_model_dir, resolve_model
 from berth_runtime.server_args import BUILTIN_MODEL, ServerArgs
+from berth_runtime.utils import cpu_isa
 from berth_runtime.utils.torch_free import run_isolated
 from berth_runtime.utils.zmq_ipc import PortArgs
 
@@ -175,6 +177,7 @@ def launch_server(args: ServerArgs) -> int:
     try:
         _precheck_model(args)
         _precheck_device(args)
+        _precheck_dtype(args)
         _precheck_attention_backend(args)
     except ValueError as e:  # ModelSourceError included
         print(f"berth serve: error: {e}", file=sys.stderr)
@@ -243,6 +246,17 @@ def _precheck_model(args: ServerArgs) -> None:
 def _precheck_device(args: ServerArgs) -> None:
     if args.device == "cuda":  # only then, and in a child: the API process never loads torch
         run_isolated(check_device, args.device)
+
+
+def _precheck_dtype(args: ServerArgs) -> None:
+    """bf16 on a CPU that cannot run it is a one-line error here, not a scheduler crash in
+    oneDNN (a CPU question: with --device auto, only when no GPU takes the model)."""
+    cpu_isa.isa_cap()  # an unknown $BERTH_CPU_ISA is an error too
+    if args.dtype != "bfloat16" or args.device == "cuda":
+        return
+    problem = cpu_isa.bf16_problem()
+    if problem is not None and run_isolated(resolved_device_type, args.device) == "cpu":
+        raise ValueError(f"--dtype bfloat16: {problem}")
 
 
 async def _start_engine(state: ServerState, engine: Engine, server: BerthServer) -> None:

@@ -26,11 +26,19 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 # One library from these sources: attention, norms and logits; quantized projections on integer dot
-# products; a decode step's layers in one call.
+# products (the ops, then one file per instruction set); a decode step's layers in one call.
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu_kernels.cpp", "quant_linear.cpp", "decode_layers.cpp")
+    for name in (
+        "cpu_kernels.cpp",
+        "quant_linear.cpp",
+        "quant_linear_avx512.cpp",
+        "quant_linear_avx2.cpp",
+        "decode_layers.cpp",
+    )
 )
+# Included by the sources: part of the cache key.
+HEADERS = (Path(__file__).with_name("quant_linear.h"),)
 KERNELS_DIR_ENV = "BERTH_KERNELS_DIR"
 # Head dims the attention kernels are instantiated for.
 ATTENTION_HEAD_DIMS = (64, 128, 256)
@@ -99,7 +107,7 @@ def library_name(capability: str) -> str:
 
     flags = " ".join(ISA_FLAGS[capability])
     key = hashlib.sha256(
-        b"".join(source.read_bytes() for source in SOURCES)
+        b"".join(source.read_bytes() for source in SOURCES + HEADERS)
         + flags.encode()
         + torch.__version__.encode()
     ).hexdigest()[:16]
@@ -136,6 +144,9 @@ def build(directory: Path, capability: str) -> Path:
             detail = (errors or result.stderr.strip().splitlines() or ["no output"])[0]
             logger.debug("kernel build failed: %s\n%s", shlex.join(command), result.stderr)
             raise KernelBuildError(f"building the CPU kernels failed: {detail}")
+        # mkstemp made it 0600: readable by every user, as a compiler's output would be (an
+        # image builds its kernels as root and runs as another user).
+        tmp.chmod(0o644)
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
@@ -176,10 +187,18 @@ def load(cache_dir: Path) -> Path:
 
 def quant_linear_available() -> bool:
     """Whether `torch.ops.berth.quant_linear` runs here: the kernels are loaded and the CPU has
-    AVX-512BW (the kernel checks for VNNI itself)."""
+    AVX2 or AVX-512BW (the kernel picks the best, VNNI included: `quant_linear_isa`)."""
     import torch
 
     return _loaded is not None and bool(torch.ops.berth.quant_linear_supported())
+
+
+def quant_linear_isa() -> str | None:
+    """The instruction set `quant_linear` runs on here (`avx2`, `avx512bw`, `avx512_vnni`), or
+    None where it does not run."""
+    import torch
+
+    return str(torch.ops.berth.quant_linear_isa()) if quant_linear_available() else None
 
 
 def attention_supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:

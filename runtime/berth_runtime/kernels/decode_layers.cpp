@@ -40,8 +40,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     static const auto op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("berth::quant_linear", "")
                                .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                                 const at::Tensor&, bool)>();
-    return op.call(x, packed, scales, true);
+                                                 const at::Tensor&, c10::string_view)>();
+    return op.call(x, packed, scales, "auto");
   }
   return at::_weight_int4pack_mm_for_cpu(x.contiguous(), packed, kGroupSize, scales);
 }

@@ -4,8 +4,8 @@
 // weight into a float before multiplying, which costs more than reading it (about 18 GB/s at one
 // row, 6 at eight, on the embedded model's projections). This runs blocks of 32 weights the way
 // llama.cpp does: the activations are quantized to int8 per block (scale da, code sum s), the
-// weight's unsigned codes q multiply them as bytes (AVX-512 VNNI, or AVX-512BW's two-step
-// equivalent), and each block's exact integer sum gets the weight's fp16 scale d and offset m:
+// weight's unsigned codes q multiply them as bytes (AVX-512 VNNI, AVX-512BW's two-step
+// equivalent, or AVX2's), and each block's exact integer sum gets the weight's fp16 scale d and offset m:
 //   sum_k (d q_k + m) (da a_k) = d da sum q a + m (da s).
 // Two weight formats: the GGUF's 4-bit Q4_0/Q4_1 blocks (q in 0..15), and 8-bit blocks with
 // q = code + 128 and m = -128 d (a symmetric int8 lm_head). Every activation row is computed
@@ -16,313 +16,66 @@
 // codes (C = 8) vector j holds per lane k = 4j..4j+3; with 4-bit ones (C = 4) vector c holds k =
 // 8c..8c+3 in its low nibbles and 8c+4..8c+7 in its high ones. scales fp16 [N/16, K/32, 2, 16]:
 // d, then m, per lane.
+//
+// This file holds the ops: their checks, the choice of instruction set (quant_linear_avx512.cpp,
+// quant_linear_avx2.cpp) and a portable dequantization.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
+#include <cstdlib>
+#include <string>
+#include <strings.h>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "quant_linear.h"
 
 namespace {
 
-constexpr int64_t kBlock = 32;  // the GGUF's quantization block
-constexpr int64_t kLanes = 16;  // output rows per group
-constexpr int64_t kMaxRows = 8;  // activation rows kept in registers over a weight tile
+using berth_quant::kBlock;
+using berth_quant::kLanes;
 
+// Ordered: each includes what the kernels need of the ones before.
+enum class Isa { kNone, kAvx2, kAvx512Bw, kAvx512Vnni };
+constexpr const char* kIsaNames[] = {"none", "avx2", "avx512bw", "avx512_vnni"};
+
+// The best instruction set the kernels may use here: the CPU's, capped by $BERTH_CPU_ISA
+// ("avx2" runs the AVX2 kernel on an AVX-512 machine, so that tests cover it everywhere;
+// berth_runtime/utils/cpu_isa.py reads the same variable and checks its value).
+Isa best_isa() {
+  static const Isa best = [] {
+    Isa isa = Isa::kNone;
 #if defined(__x86_64__)
-
-#define BERTH_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
-#define BERTH_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
-
-bool has_avx512bw() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }
-bool has_vnni() { return has_avx512bw() && __builtin_cpu_supports("avx512vnni"); }
-
-// Activation rows quantized per block: int8 codes, and per block da and da * sum(codes).
-struct QuantizedRows {
-  int8_t* codes;   // [rows, K]
-  float* scale;    // [rows, K/32]
-  float* scaled_sum;  // [rows, K/32]
-};
-
-template <typename T>
-BERTH_AVX512 inline __m512 load16(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(p);
-  } else {
-    __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-  }
-}
-
-template <typename T>
-BERTH_AVX512 void quantize_rows(const T* x, int64_t rows, int64_t k, QuantizedRows q) {
-  const int64_t blocks = k / kBlock;
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const T* src = x + r * k + b * kBlock;
-      __m512 lo = load16(src), hi = load16(src + 16);
-      const float amax = _mm512_reduce_max_ps(
-          _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-      const float scale = amax / 127.f;
-      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-      __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
-      __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-      int8_t* dst = q.codes + r * k + b * kBlock;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qlo));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qhi));
-      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-      q.scale[r * blocks + b] = scale;
-      q.scaled_sum[r * blocks + b] = scale * static_cast<float>(sum);
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isa = Isa::kAvx2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+      isa = __builtin_cpu_supports("avx512vnni") ? Isa::kAvx512Vnni : Isa::kAvx512Bw;
     }
-  }
-}
-
-// acc + the 4-byte dot products of unsigned codes and signed activations, per 32-bit lane.
-template <int BITS>
-BERTH_AVX512 inline __m512i dot_bytes_bw(__m512i acc, __m512i u8, __m512i s8) {
-  const __m512i ones = _mm512_set1_epi16(1);
-  if constexpr (BITS == 4) {
-    // Products are at most 15 * 128 a byte pair: the 16-bit pair sums cannot saturate.
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u8, s8), ones));
-  } else {
-    // 8-bit codes could (255 * 128 * 2 > 32767): multiply their two nibbles separately.
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    const __m512i lo = _mm512_and_si512(u8, nibble);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(u8, 4), nibble);
-    const __m512i lo_sum = _mm512_madd_epi16(_mm512_maddubs_epi16(lo, s8), ones);
-    const __m512i hi_sum = _mm512_madd_epi16(_mm512_maddubs_epi16(hi, s8), ones);
-    return _mm512_add_epi32(acc, _mm512_add_epi32(lo_sum, _mm512_slli_epi32(hi_sum, 4)));
-  }
-}
-
-template <int BITS>
-BERTH_VNNI inline __m512i dot_bytes_vnni(__m512i acc, __m512i u8, __m512i s8) {
-  return _mm512_dpbusd_epi32(acc, u8, s8);  // 32-bit sums: no saturation at either width
-}
-
-inline int32_t four_bytes(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-template <typename T>
-BERTH_AVX512 inline void store16(T* p, __m512 v) {
-  if constexpr (std::is_same_v<T, float>) {
-    _mm512_storeu_ps(p, v);
-  } else {
-    // float -> bf16, rounding to nearest even (finite values).
-    __m512i bits = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-  }
-}
-
-// Rows [g0, g1) of groups: out[r, 16g + lane] for every activation row r < ROWS. Each block's
-// weight comes as eight vectors of unsigned bytes, vector j holding k = 4j..4j+3 of every lane.
-#define BERTH_QUANT_GROUPS(ATTR, DOT)                                                            \
-  template <int BITS, int ROWS, typename T>                                                     \
-  ATTR void groups_##DOT(const uint8_t* codes, const c10::Half* scales, QuantizedRows q,        \
-                         int64_t k, int64_t n, int64_t g0, int64_t g1, T* out) {                 \
-    constexpr int64_t block_bytes = kBlock * kLanes * BITS / 8;                                  \
-    const int64_t blocks = k / kBlock;                                                          \
-    const __m512i nibble = _mm512_set1_epi8(0x0F);                                              \
-    for (int64_t g = g0; g < g1; ++g) {                                                         \
-      __m512 acc[ROWS];                                                                         \
-      for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();                              \
-      const uint8_t* wc = codes + g * blocks * block_bytes;                                     \
-      const c10::Half* ws = scales + g * blocks * 2 * kLanes;                                    \
-      for (int64_t b = 0; b < blocks; ++b, wc += block_bytes, ws += 2 * kLanes) {                \
-        __m512i w[8];                                                                           \
-        for (int c = 0; c < BITS; ++c) {                                                        \
-          const __m512i v = _mm512_loadu_si512(wc + c * 64);                                    \
-          if constexpr (BITS == 4) {                                                            \
-            w[2 * c] = _mm512_and_si512(v, nibble);                                             \
-            w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);                   \
-          } else {                                                                              \
-            w[c] = v;                                                                           \
-          }                                                                                     \
-        }                                                                                       \
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws))); \
-        const __m512 m =                                                                        \
-            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + kLanes)));  \
-        for (int r = 0; r < ROWS; ++r) {                                                        \
-          const int8_t* a = q.codes + r * k + b * kBlock;                                       \
-          __m512i isum = _mm512_setzero_si512();                                                \
-          for (int j = 0; j < 8; ++j)                                                           \
-            isum = dot_bytes_##DOT<BITS>(isum, w[j], _mm512_set1_epi32(four_bytes(a + 4 * j)));        \
-          const __m512 da = _mm512_set1_ps(q.scale[r * blocks + b]);                            \
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, da), acc[r]);     \
-          acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(q.scaled_sum[r * blocks + b]), acc[r]);    \
-        }                                                                                       \
-      }                                                                                         \
-      for (int r = 0; r < ROWS; ++r) store16(out + r * n + g * kLanes, acc[r]);                 \
-    }                                                                                           \
-  }
-
-BERTH_QUANT_GROUPS(BERTH_VNNI, vnni)
-BERTH_QUANT_GROUPS(BERTH_AVX512, bw)
-
-// Groups [g0, g1) for activation rows [r0, r0 + rows), rows <= kMaxRows.
-template <int BITS, typename T>
-void groups_for_rows(const uint8_t* codes, const c10::Half* scales, QuantizedRows q, int64_t r0,
-                     int64_t rows, int64_t k, int64_t n, int64_t g0, int64_t g1, T* out,
-                     bool vnni) {
-  const int64_t blocks = k / kBlock;
-  const QuantizedRows part{q.codes + r0 * k, q.scale + r0 * blocks, q.scaled_sum + r0 * blocks};
-  T* part_out = out + r0 * n;
-  switch (rows) {
-#define BERTH_ROWS_CASE(R)                                                                 \
-  case R:                                                                                  \
-    if (vnni) {                                                                            \
-      return groups_vnni<BITS, R, T>(codes, scales, part, k, n, g0, g1, part_out);         \
-    }                                                                                      \
-    return groups_bw<BITS, R, T>(codes, scales, part, k, n, g0, g1, part_out);
-    BERTH_ROWS_CASE(1)
-    BERTH_ROWS_CASE(2)
-    BERTH_ROWS_CASE(3)
-    BERTH_ROWS_CASE(4)
-    BERTH_ROWS_CASE(5)
-    BERTH_ROWS_CASE(6)
-    BERTH_ROWS_CASE(7)
-    BERTH_ROWS_CASE(8)
-#undef BERTH_ROWS_CASE
-  }
-}
-
-template <int BITS, typename T>
-void quant_linear_rows(const T* x, int64_t rows, const uint8_t* codes, const c10::Half* scales,
-                       int64_t k, int64_t n, T* out, bool vnni) {
-  const int64_t blocks = k / kBlock;
-  at::Tensor workspace = at::empty({rows * (k + 8 * blocks)}, at::kByte);
-  auto* base = workspace.data_ptr<uint8_t>();
-  QuantizedRows q{reinterpret_cast<int8_t*>(base),
-                  reinterpret_cast<float*>(base + rows * k),
-                  reinterpret_cast<float*>(base + rows * k + 4 * rows * blocks)};
-  quantize_rows<T>(x, rows, k, q);
-  // Threads split the output rows, in tiles of a few groups (a few KB of weight each, kept in
-  // cache while every chunk of eight activation rows passes over them): the weight is read
-  // from memory once however many rows there are.
-  constexpr int64_t kTileGroups = 4;
-  at::parallel_for(0, n / kLanes, kTileGroups, [&](int64_t g0, int64_t g1) {
-    for (int64_t t = g0; t < g1; t += kTileGroups) {
-      const int64_t t1 = std::min(g1, t + kTileGroups);
-      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-        groups_for_rows<BITS, T>(codes, scales, q, r0, std::min(kMaxRows, rows - r0), k, n, t,
-                                 t1, out, vnni);
-      }
-    }
-  });
-}
-
-// fp32 -> bf16, rounding to nearest even, as c10::BFloat16 does (the weights are finite).
-BERTH_AVX512 inline void store_bf16(c10::BFloat16* dst, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
-                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
-
-// One output row's 32 codes (one a byte, k order) -> its 32 bf16 weights w = d q + m at `dst`.
-BERTH_AVX512 inline void dequantize_row_block(__m128i first, __m128i second, float d, float m,
-                                              c10::BFloat16* dst) {
-  const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
-  const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(first));
-  const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(second));
-  store_bf16(dst, _mm512_add_ps(_mm512_mul_ps(q0, dv), mv));
-  store_bf16(dst + 16, _mm512_add_ps(_mm512_mul_ps(q1, dv), mv));
-}
-
-// Four 64-byte chunks (16 lanes x 4 bytes each) transposed: lane 4s + j's 16 bytes (its 4 bytes
-// of chunk 0, 1, 2, 3) end up in 128-bit segment s of out[j].
-BERTH_AVX512 inline void transpose_chunks(const uint8_t* chunks, __m512i out[4]) {
-  const __m512i c0 = _mm512_loadu_si512(chunks), c1 = _mm512_loadu_si512(chunks + 64);
-  const __m512i c2 = _mm512_loadu_si512(chunks + 128), c3 = _mm512_loadu_si512(chunks + 192);
-  const __m512i lo01 = _mm512_unpacklo_epi32(c0, c1), hi01 = _mm512_unpackhi_epi32(c0, c1);
-  const __m512i lo23 = _mm512_unpacklo_epi32(c2, c3), hi23 = _mm512_unpackhi_epi32(c2, c3);
-  out[0] = _mm512_unpacklo_epi64(lo01, lo23);
-  out[1] = _mm512_unpackhi_epi64(lo01, lo23);
-  out[2] = _mm512_unpacklo_epi64(hi01, hi23);
-  out[3] = _mm512_unpackhi_epi64(hi01, hi23);
-}
-
-template <int SEGMENT>
-BERTH_AVX512 inline __m128i segment(__m512i v) {
-  return _mm512_extracti32x4_epi32(v, SEGMENT);
-}
-
-// The 4 lanes 4 S + j (j = 0..3) of one block: their codes from the transposed chunks.
-template <int BITS, int S>
-BERTH_AVX512 inline void dequantize_segment(const __m512i (&first)[4], const __m512i (&second)[4],
-                                            const float* d, const float* m, int64_t k,
-                                            c10::BFloat16* block_out) {
-  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
-  for (int j = 0; j < 4; ++j) {
-    const int lane = 4 * S + j;
-    __m128i a, b;  // the lane's codes k = 0..15 and 16..31
-    if constexpr (BITS == 4) {
-      const __m128i packed = segment<S>(first[j]);  // chunk c: k = 8c..8c+3 low, +4..+7 high
-      const __m128i lo = _mm_and_si128(packed, low_nibbles);
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low_nibbles);
-      a = _mm_unpacklo_epi32(lo, hi);
-      b = _mm_unpackhi_epi32(lo, hi);
-    } else {
-      a = segment<S>(first[j]);  // chunks 0..3: k = 0..15
-      b = segment<S>(second[j]);  // chunks 4..7: k = 16..31
-    }
-    dequantize_row_block(a, b, d[lane], m[lane], block_out + lane * k);
-  }
-}
-
-// Groups g0..g1 of a packed weight back to bf16 rows [16 (g1 - g0), K]: w = d q + m. d q is
-// exact in fp32 (a 4- or 8-bit integer times an fp16), so w is the one fp32 rounding of the
-// GGUF's own dequantization, and its bf16 the weight a bf16 checkpoint of the file holds. A
-// block's chunks are transposed in registers so that each lane's codes come out together.
-template <int BITS>
-BERTH_AVX512 void dequantize_groups(const uint8_t* codes, const c10::Half* scales, int64_t k,
-                                    int64_t g0, int64_t g1, c10::BFloat16* out) {
-  constexpr int64_t kChunks = BITS == 4 ? 4 : 8;
-  const int64_t blocks = k / kBlock;
-  for (int64_t g = g0; g < g1; ++g) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* tile = codes + (g * blocks + b) * kChunks * kLanes * 4;
-      const c10::Half* pair = scales + (g * blocks + b) * 2 * kLanes;
-      alignas(64) float d[kLanes], m[kLanes];
-      _mm512_store_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair))));
-      _mm512_store_ps(
-          m, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + kLanes))));
-      __m512i first[4], second[4];
-      transpose_chunks(tile, first);
-      if constexpr (BITS == 8) transpose_chunks(tile + 4 * kLanes * 4, second);
-      c10::BFloat16* block_out = out + g * kLanes * k + b * kBlock;
-      dequantize_segment<BITS, 0>(first, second, d, m, k, block_out);
-      dequantize_segment<BITS, 1>(first, second, d, m, k, block_out);
-      dequantize_segment<BITS, 2>(first, second, d, m, k, block_out);
-      dequantize_segment<BITS, 3>(first, second, d, m, k, block_out);
-    }
-  }
-}
-
-#else
-bool has_avx512bw() { return false; }
-bool has_vnni() { return false; }
-template <int BITS, typename T>
-void quant_linear_rows(const T*, int64_t, const uint8_t*, const c10::Half*, int64_t, int64_t, T*,
-                       bool) {}
-template <int BITS>
-void dequantize_groups(const uint8_t*, const c10::Half*, int64_t, int64_t, int64_t,
-                       c10::BFloat16*) {}
 #endif
+    const char* cap = std::getenv("BERTH_CPU_ISA");
+    if (cap != nullptr && strcasecmp(cap, "avx2") == 0 && isa > Isa::kAvx2) isa = Isa::kAvx2;
+    return isa;
+  }();
+  return best;
+}
+
+// `name` ("auto" or one of kIsaNames but "none") as an instruction set this CPU has.
+Isa chosen_isa(c10::string_view name) {
+  const Isa best = best_isa();
+  if (name == "auto") {
+    TORCH_CHECK(best != Isa::kNone,
+                "berth::quant_linear needs AVX2 or AVX-512BW (see quant_linear_isa)");
+    return best;
+  }
+  for (int i = 1; i < 4; ++i) {
+    if (name == kIsaNames[i]) {
+      const Isa isa = static_cast<Isa>(i);
+      TORCH_CHECK(isa <= best, "berth::quant_linear: ", kIsaNames[i],
+                  " is not available on this CPU (best: ", kIsaNames[static_cast<int>(best)], ")");
+      return isa;
+    }
+  }
+  TORCH_CHECK(false, "berth::quant_linear: unknown isa '", std::string(name),
+              "' (auto, avx2, avx512bw or avx512_vnni)");
+}
 
 void check_packed(const at::Tensor& codes, const at::Tensor& scales, const char* op) {
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 5 &&
@@ -338,22 +91,23 @@ void check_packed(const at::Tensor& codes, const at::Tensor& scales, const char*
 }
 
 template <typename T>
-void quant_linear_dispatch(int64_t bits, const T* x, int64_t rows, const uint8_t* codes,
-                           const c10::Half* scales, int64_t k, int64_t n, T* out, bool vnni) {
-  if (bits == 4) {
-    quant_linear_rows<4, T>(x, rows, codes, scales, k, n, out, vnni);
+void linear_on(Isa isa, const T* x, int64_t rows, const uint8_t* codes, const c10::Half* scales,
+               int64_t bits, int64_t k, int64_t n, T* out) {
+  if (isa == Isa::kAvx2) {
+    berth_quant::linear_avx2<T>(x, rows, codes, scales, bits, k, n, out);
   } else {
-    quant_linear_rows<8, T>(x, rows, codes, scales, k, n, out, vnni);
+    berth_quant::linear_avx512<T>(x, rows, codes, scales, bits, k, n, out,
+                                  isa == Isa::kAvx512Vnni);
   }
 }
 
 // x [rows, K] bf16 or fp32; codes uint8 [N/16, K/32, C, 16, 4] with C = 4 (4-bit codes, two a
-// byte) or 8 (8-bit codes); scales fp16 [N/16, K/32, 2, 16] -> [rows, N] in x's dtype. `vnni`
-// false takes the AVX-512BW path even where VNNI exists (the two give the same bits: the
-// integer sums are exact).
+// byte) or 8 (8-bit codes); scales fp16 [N/16, K/32, 2, 16] -> [rows, N] in x's dtype. `isa`
+// "auto" takes the best this CPU has; naming a lesser one gives the same bits (the tests
+// compare them).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                        bool vnni) {
-  TORCH_CHECK(has_avx512bw(), "berth::quant_linear needs AVX-512BW (see quant_linear_supported)");
+                        c10::string_view isa_name) {
+  const Isa isa = chosen_isa(isa_name);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "berth::quant_linear: x must be CPU [rows, K]");
   check_packed(codes, scales, "quant_linear");
   const int64_t k = codes.size(1) * kBlock, n = codes.size(0) * kLanes, bits = codes.size(2);
@@ -363,17 +117,42 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   const at::Tensor xc = x.contiguous();
   const int64_t rows = xc.size(0);
   at::Tensor out = at::empty({rows, n}, xc.options());
-  vnni = vnni && has_vnni();
   if (rows == 0) return out;
   if (xc.scalar_type() == at::kBFloat16) {
     using T = c10::BFloat16;
-    quant_linear_dispatch<T>(bits, xc.data_ptr<T>(), rows, codes.data_ptr<uint8_t>(),
-                             scales.data_ptr<c10::Half>(), k, n, out.data_ptr<T>(), vnni);
+    linear_on<T>(isa, xc.data_ptr<T>(), rows, codes.data_ptr<uint8_t>(),
+                 scales.data_ptr<c10::Half>(), bits, k, n, out.data_ptr<T>());
   } else {
-    quant_linear_dispatch<float>(bits, xc.data_ptr<float>(), rows, codes.data_ptr<uint8_t>(),
-                                 scales.data_ptr<c10::Half>(), k, n, out.data_ptr<float>(), vnni);
+    linear_on<float>(isa, xc.data_ptr<float>(), rows, codes.data_ptr<uint8_t>(),
+                     scales.data_ptr<c10::Half>(), bits, k, n, out.data_ptr<float>());
   }
   return out;
+}
+
+// quant_dequantize without AVX-512, one weight at a time: w = d q + m, d q exact in fp32, then
+// the one rounding to bf16 (to nearest even) that the AVX-512 kernel makes.
+void dequantize_portable(const uint8_t* codes, const c10::Half* scales, int64_t bits, int64_t k,
+                         int64_t g0, int64_t g1, c10::BFloat16* out) {
+  const int64_t blocks = k / kBlock, chunks = bits == 4 ? 4 : 8;
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* tile = codes + (g * blocks + b) * chunks * kLanes * 4;
+      const c10::Half* pair = scales + (g * blocks + b) * 2 * kLanes;
+      for (int64_t lane = 0; lane < kLanes; ++lane) {
+        const float d = pair[lane], m = pair[kLanes + lane];
+        c10::BFloat16* dst = out + (g * kLanes + lane) * k + b * kBlock;
+        for (int64_t i = 0; i < kBlock; ++i) {
+          int q;
+          if (bits == 4) {  // chunk i / 8, byte i % 4, high nibble for i % 8 >= 4
+            q = (tile[(i / 8) * 64 + lane * 4 + i % 4] >> (4 * ((i % 8) / 4))) & 0x0F;
+          } else {  // chunk i / 4, byte i % 4
+            q = tile[(i / 4) * 64 + lane * 4 + i % 4];
+          }
+          dst[i] = c10::BFloat16(d * static_cast<float>(q) + m);
+        }
+      }
+    }
+  }
 }
 
 // Writes into `out` (bf16 [N, K], contiguous) the weight a packed one stands for, bit for bit the
@@ -381,7 +160,6 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
 // oneDNN, as a bf16 checkpoint's would), so a model need not keep bf16 weights besides the 4-bit
 // ones; the caller reuses one `out` for every projection, which costs no page faults.
 void quant_dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& out) {
-  TORCH_CHECK(has_avx512bw(), "berth::quant_dequantize needs AVX-512BW");
   check_packed(codes, scales, "quant_dequantize");
   const int64_t k = codes.size(1) * kBlock, groups = codes.size(0), bits = codes.size(2);
   TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kBFloat16 && out.dim() == 2 &&
@@ -391,22 +169,26 @@ void quant_dequantize(const at::Tensor& codes, const at::Tensor& scales, const a
   const auto* code_ptr = codes.data_ptr<uint8_t>();
   const auto* scale_ptr = scales.data_ptr<c10::Half>();
   auto* out_ptr = out.data_ptr<c10::BFloat16>();
+  const bool avx512 = best_isa() >= Isa::kAvx512Bw;
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
-    if (bits == 4) {
-      dequantize_groups<4>(code_ptr, scale_ptr, k, g0, g1, out_ptr);
+    if (avx512) {
+      berth_quant::dequantize_avx512(code_ptr, scale_ptr, bits, k, g0, g1, out_ptr);
     } else {
-      dequantize_groups<8>(code_ptr, scale_ptr, k, g0, g1, out_ptr);
+      dequantize_portable(code_ptr, scale_ptr, bits, k, g0, g1, out_ptr);
     }
   });
 }
 
-bool quant_linear_supported() { return has_avx512bw(); }
+std::string quant_linear_isa() { return kIsaNames[static_cast<int>(best_isa())]; }
+
+bool quant_linear_supported() { return best_isa() != Isa::kNone; }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(berth, m) {
-  m.def("quant_linear(Tensor x, Tensor codes, Tensor scales, bool vnni=True) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor codes, Tensor scales, str isa=\"auto\") -> Tensor");
   m.def("quant_dequantize(Tensor codes, Tensor scales, Tensor(a!) out) -> ()");
+  m.def("quant_linear_isa() -> str", &quant_linear_isa);
   m.def("quant_linear_supported() -> bool", &quant_linear_supported);
 }
 

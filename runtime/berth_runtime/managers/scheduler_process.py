@@ -98,6 +98,11 @@ def run_scheduler_process(
             # The CPU kernel those steps use: berth_int8 (int8 activations on integer dot
             # products, as llama.cpp) or torch_int4; null without 4-bit weights.
             "q4_kernel": runner.q4_kernel if runner.q4_bytes else None,
+            # The instruction set Berth's int8 kernel runs on here (avx2, avx512bw,
+            # avx512_vnni: the best the CPU has, under any $BERTH_CPU_ISA cap); null without it.
+            "quant_isa": runner.quant_isa,
+            # The SIMD level PyTorch dispatches to, which Berth's other CPU kernels are built for.
+            "cpu_capability": runner.cpu_capability,
             # Small steps' lm_head on an 8-bit copy (leading scores recomputed exactly).
             "int8_lm_head": runner.int8_lm_head_bytes > 0,
             "kv_bytes_per_token": runner.kv_pool.bytes_per_token,

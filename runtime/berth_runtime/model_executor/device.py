@@ -28,6 +28,11 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def resolved_device_type(device: str) -> str:
+    """`resolve_device(device).type` (`cpu`, `cuda`), for a process without torch."""
+    return resolve_device(device).type
+
+
 def check_device(device: str) -> None:
     """Raise ValueError if `device` cannot be used here (for a check run in another process:
     a torch.device does not cross into one without torch)."""

@@ -33,6 +33,7 @@ from berth_runtime.models.gguf_q4 import can_run_int4
 from berth_runtime.models.llama import MODEL_CLASSES, can_prepack_cpu_linears
 from berth_runtime.models.loader import Q4_GROUPS_FILE, default_cache_dir
 from berth_runtime.server_args import ServerArgs
+from berth_runtime.utils import cpu_isa
 
 logger = logging.getLogger(__name__)
 
@@ -76,16 +77,25 @@ class LoadProgress:
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """`auto`: bf16 on CUDA, and on CPUs with native bf16 (AVX512-BF16 / AMX), where bf16 weights
     (prepacked for oneDNN) and KV decode faster than fp32 at every batch size measured, batch 1
-    included, and halve memory; fp32 on other CPUs, where bf16 would be emulated."""
+    included, and halve memory; fp32 on other CPUs, where bf16 would be emulated. bf16 on a CPU
+    that cannot run it at all (AVX2 only) is a ValueError naming the way out."""
     if dtype == "auto":
         if device.type == "cuda" or cpu_has_native_bf16():
             return torch.bfloat16
         return torch.float32
+    if dtype == "bfloat16" and device.type == "cpu":
+        problem = cpu_isa.bf16_problem()
+        if problem is not None:
+            raise ValueError(f"--dtype bfloat16: {problem}")
     return _DTYPES[dtype]
 
 
 def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 matmuls in hardware rather than emulated (then slower than fp32)."""
+    """AVX512-BF16 or AMX: bf16 matmuls in hardware rather than emulated (then slower than fp32);
+    never under an AVX2 cap (`utils.cpu_isa`)."""
+    native = cpu_isa.has_native_bf16()
+    if native is not None:
+        return native
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
 
@@ -141,11 +151,11 @@ class ModelRunner:
         )
         # Berth's int8 kernel for quantized weights (loaded by _enable_kernels), where it runs.
         self.quant_kernel = cpu_kernels.quant_linear_available()
+        self.quant_isa = cpu_kernels.quant_linear_isa()
+        self.cpu_capability = cpu_kernels.cpu_capability() if self.device.type == "cpu" else None
         q4_rows = args.gguf_q4_max_batch
         if q4_rows is None:
-            # Berth's int8 kernel beats bf16 at every batch size measured (1-128 sequences);
-            # PyTorch's int4 kernel only up to about 8.
-            q4_rows = args.max_running_requests if self.quant_kernel else 8
+            q4_rows = self._default_q4_rows(args)
         if self.deterministic and q4_rows > 0:
             q4_rows = args.max_running_requests  # one weight format for every decode step
         self.gguf_q4_max_batch = q4_rows
@@ -203,11 +213,23 @@ class ModelRunner:
             kv_tokens * self.kv_pool.bytes_per_token / 2**20,
         )
 
+    def _default_q4_rows(self, args: ServerArgs) -> int:
+        """Decode steps of at most this many sequences take a GGUF's 4-bit weights by default.
+        In bf16: Berth's int8 kernel beats bf16 at every batch size measured (1-128 sequences),
+        PyTorch's int4 kernel only up to about 8. In fp32: only where `auto` chose fp32 for a
+        CPU without native bf16, and Berth's kernel runs (AVX2 or AVX-512); an explicit
+        --dtype float32 computes every step in fp32, as HF fp32 on the dequantized weights."""
+        if self.dtype == torch.bfloat16:
+            return args.max_running_requests if self.quant_kernel else 8
+        if self.dtype == torch.float32 and args.dtype == "auto" and self.quant_kernel:
+            return args.max_running_requests
+        return 0
+
     def _attach_q4(self, model, model_path: str, max_batch: int) -> int:
         """Small steps on the GGUF's own 4-bit weights, when the source kept them (see
         `gguf_q4`); returns the bytes this adds (0 when not used)."""
         groups_file = os.path.join(model_path, Q4_GROUPS_FILE)
-        if max_batch <= 0 or not can_run_int4(self.dtype, self.device):
+        if max_batch <= 0 or not can_run_int4(self.dtype, self.device, self.quant_kernel):
             return 0
         if not os.path.isfile(groups_file):
             return 0
@@ -222,9 +244,9 @@ class ModelRunner:
         return added
 
     def _attach_int8_lm_head(self, model, max_batch: int) -> int:
-        """The lm_head of small bf16 CPU steps (those the 4-bit weights take) on an 8-bit copy
-        run by Berth's integer kernel; returns the bytes this adds (0 when not used)."""
-        usable = self.dtype == torch.bfloat16 and self.device.type == "cpu"
+        """The lm_head of small CPU steps (those the 4-bit weights take) on an 8-bit copy run by
+        Berth's integer kernel; returns the bytes this adds (0 when not used)."""
+        usable = self.dtype in (torch.bfloat16, torch.float32) and self.device.type == "cpu"
         if max_batch <= 0 or not usable or not self.quant_kernel:
             return 0
         added = model.attach_int8_lm_head(max_batch)

@@ -144,11 +144,15 @@ def dequantize_q4_vnni(packed: torch.Tensor, pairs: torch.Tensor) -> torch.Tenso
     return (q * d[..., None] + m[..., None]).reshape(groups * 16, blocks * 32)
 
 
-def can_run_int4(dtype: torch.dtype, device: torch.device) -> bool:
-    """torch's CPU int4 kernel takes bf16 activations with bf16 scales."""
+def can_run_int4(dtype: torch.dtype, device: torch.device, integer: bool = False) -> bool:
+    """Whether a CPU step in `dtype` can run on 4-bit weights: Berth's int8 kernel (`integer`,
+    where it runs) takes bf16 or fp32 activations, torch's int4 kernel bf16 with bf16 scales."""
+    if device.type != "cpu":
+        return False
+    if integer:
+        return dtype in (torch.bfloat16, torch.float32)
     return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
+        dtype == torch.bfloat16
         and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
         and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
     )

@@ -18,6 +18,7 @@ from berth_runtime.mem_cache.kv_pool import TokenToKVPool
 from berth_runtime.model_executor.forward_batch import ForwardBatch
 from berth_runtime.models.gguf_q4 import Int4Weight
 from berth_runtime.models.int8_lm_head import Int8LmHead
+from berth_runtime.utils import cpu_isa
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -81,7 +82,8 @@ AMX_ROW_BLOCK = 32
 def row_block(dtype: torch.dtype) -> int | None:
     """The most rows one oneDNN call may take for each row's result to be independent of the
     others; None: any number."""
-    amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    capped = cpu_isa.isa_cap() is not None  # oneDNN then uses no AMX
+    amx = not capped and bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
     return AMX_ROW_BLOCK if amx and dtype == torch.bfloat16 else None
 
 
@@ -100,6 +102,7 @@ def can_prepack_cpu_linears(dtype: torch.dtype, device: torch.device) -> bool:
     return (
         device.type == "cpu"
         and dtype in (torch.bfloat16, torch.float32)
+        and (dtype != torch.bfloat16 or cpu_isa.bf16_problem() is None)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -411,14 +414,16 @@ class LlamaForCausalLM(nn.Module):
         """fp32 vocab scores [rows, V]: the lm_head in the model's dtype, then each row's top
         candidates computed again exactly (see `exact_top_logits`)."""
         weight = self.lm_head_weight()
-        if self.int8_lm_head is not None and hidden.shape[0] <= self.int8_lm_head.max_rows:
+        head8 = self.int8_lm_head
+        approximate = head8 is not None and hidden.shape[0] <= head8.max_rows
+        if approximate:  # int8 scores, in bf16 or fp32: candidates only
             logits = self.int8_lm_head.scores(hidden)
         elif self.prepacked:  # the packed copy, or the plain weight beside an 8-bit one
             head = self.packed_lm_head if self.packed_lm_head is not None else weight
             logits = packed_linear(hidden, head)
         else:
             logits = linear(hidden, weight)
-        if logits.dtype == torch.float32:
+        if logits.dtype == torch.float32 and not approximate:
             return logits
         return exact_top_logits(logits, hidden, weight, self.use_cpu_logit_kernels)
 

@@ -10,9 +10,11 @@ from transformers import AutoModelForCausalLM
 
 from berth_runtime.models.llama import EXACT_LOGIT_CANDIDATES
 from berth_runtime.server_args import ServerArgs
-from tests.helpers import embedded_model_dir, embedded_tokenizer
+from tests.helpers import embedded_model_dir, embedded_tokenizer, needs_bf16
 from tests.integration.runtime.chat_prompts import QUESTIONS, prompt_ids
 from tests.integration.runtime.engine_steps import load_runner, prefill
+
+pytestmark = needs_bf16
 
 # Measured on this model (mean |logprob error| over fp32's top five, 22 chat prompts; 2-core AMD
 # EPYC with AVX512-BF16): HF bf16 0.051, Berth defaults 0.044, CUDA-path settings 0.041. The

@@ -10,7 +10,7 @@ import torch
 from berth_runtime.model_executor.forward_batch import ForwardBatch
 from berth_runtime.model_executor.model_runner import ModelRunner
 from berth_runtime.server_args import ServerArgs
-from tests.helpers import embedded_tokenizer
+from tests.helpers import embedded_tokenizer, needs_bf16
 from tests.integration.runtime.chat_prompts import QUESTIONS, prompt_ids
 from tests.integration.runtime.engine_steps import load_runner
 
@@ -22,10 +22,21 @@ def load(**settings) -> ModelRunner:
     return load_runner(max_total_tokens=2048, **settings)
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+# The defaults in both CPU dtypes (`--dtype auto` picks bf16 where the CPU has it), and what auto
+# picks on CPUs without bf16 (AVX2): fp32 with the 4-bit decode path.
+SETTINGS = {
+    "bf16": {"dtype": "bfloat16"},
+    "fp32": {"dtype": "float32"},
+    "fp32+q4": {"dtype": "float32", "gguf_q4_max_batch": DEFAULTS.max_running_requests},
+}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param("bf16", marks=needs_bf16), "fp32", "fp32+q4"],
+)
 def runner(request) -> ModelRunner:
-    """The defaults in both CPU dtypes (`--dtype auto` picks bf16 where the CPU has it)."""
-    runner = load(dtype=request.param)
+    runner = load(**SETTINGS[request.param])
     assert runner.attention_backend == "berth_cpu", "the defaults run Berth's CPU kernels here"
     assert runner.prepacked
     return runner

@@ -10,7 +10,7 @@ import torch
 from berth_runtime.model_executor import model_runner
 from berth_runtime.model_executor.model_runner import ModelRunner, cpu_has_native_bf16
 from berth_runtime.models.llama import _pack, can_prepack_cpu_linears, packed_linear
-from tests.helpers import embedded_tokenizer
+from tests.helpers import embedded_tokenizer, needs_bf16
 from tests.integration.runtime.engine_steps import greedy_run, load_runner
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
@@ -33,6 +33,7 @@ def prompt_ids() -> list[list[int]]:
     return [tokenizer.encode(p) for p in PROMPTS]
 
 
+@needs_bf16
 @pytest.mark.skipif(
     not can_prepack_cpu_linears(torch.bfloat16, torch.device("cpu")),
     reason="this PyTorch build cannot prepack bf16 weights for oneDNN",
@@ -52,6 +53,7 @@ def test_prepacked_bf16_equals_plain_bf16(prompt_ids, monkeypatch):
         assert packed_tokens == plain_tokens
 
 
+@needs_bf16
 def test_bf16_greedy_starts_like_fp32(prompt_ids):
     _, bf16_tokens = greedy_run(load("bfloat16"), prompt_ids, 3)
     _, fp32_tokens = greedy_run(load("float32"), prompt_ids, 3)
@@ -66,7 +68,7 @@ def test_a_packed_projections_row_does_not_depend_on_the_rows_beside_it(
     """Every step size from 1 to 100 rows gives each row the bits it gets alone (on a CPU with
     AMX, oneDNN rounds bf16 steps of over 32 rows differently: `row_block` splits them)."""
     if not can_prepack_cpu_linears(dtype, torch.device("cpu")):
-        pytest.skip("oneDNN prepacking is not available here")
+        pytest.skip(f"oneDNN prepacking of {dtype} is not available on this CPU")
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
     packed = _pack(weight)

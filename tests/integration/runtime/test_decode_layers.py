@@ -8,19 +8,21 @@ import torch
 
 from berth_runtime.model_executor.forward_batch import ForwardBatch
 from berth_runtime.models.gguf_q4 import can_run_int4
+from tests.helpers import REDUCED_DTYPE
 from tests.integration.runtime.engine_steps import load_runner, prefill
 
 MAX_BATCH = 4
 
+# In bf16 (fp32 on AVX2, where only Berth's int8 kernel runs the 4-bit weights).
 pytestmark = pytest.mark.skipif(
-    not can_run_int4(torch.bfloat16, torch.device("cpu")),
+    REDUCED_DTYPE == "bfloat16" and not can_run_int4(torch.bfloat16, torch.device("cpu")),
     reason="this PyTorch build has no CPU int4 kernel",
 )
 
 
 @pytest.fixture(scope="module")
 def runner():
-    return load_runner(dtype="bfloat16", max_total_tokens=2048, gguf_q4_max_batch=MAX_BATCH)
+    return load_runner(dtype=REDUCED_DTYPE, max_total_tokens=2048, gguf_q4_max_batch=MAX_BATCH)
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, MAX_BATCH])
@@ -54,10 +56,10 @@ def test_fused_decode_equals_the_python_layers(runner, batch_size):
 
 
 def test_larger_steps_and_bf16_only_models_keep_the_python_layers():
-    bf16 = load_runner(dtype="bfloat16", max_total_tokens=256, gguf_q4_max_batch=0)
+    bf16 = load_runner(dtype=REDUCED_DTYPE, max_total_tokens=256, gguf_q4_max_batch=0)
     assert not bf16.fused_decode and bf16.model.fused_decode_rows == 0
     native = load_runner(
-        dtype="bfloat16",
+        dtype=REDUCED_DTYPE,
         max_total_tokens=256,
         gguf_q4_max_batch=2,
         attention_backend="torch_native",

@@ -14,7 +14,13 @@ from berth_runtime.model_executor.model_runner import ModelRunner
 from berth_runtime.models.dummy_weights import write_dummy_model_dir
 from berth_runtime.models.loader import ModelSourceError, resolve_model
 from berth_runtime.server_args import ServerArgs
-from tests.helpers import RunningServer, embedded_model_dir, embedded_tokenizer
+from tests.helpers import (
+    REDUCED_DTYPE,
+    RunningServer,
+    embedded_model_dir,
+    embedded_tokenizer,
+    needs_bf16,
+)
 from tests.integration.runtime.engine_steps import prefill
 
 # Two layers of a Llama with head_dim 64, so the berth_cpu attention kernels run as on real
@@ -59,7 +65,7 @@ def test_the_directory_holds_what_its_source_does_but_the_weights(dummy_dir: Pat
     assert "chat_template.jinja" in source  # the chat API needs it
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_bf16)])
 def test_random_weights_give_finite_varied_logits(dummy_dir: Path, dtype: str):
     runner = load_dummy(dummy_dir, dtype=dtype)
     logits = first_logits(runner)
@@ -86,7 +92,7 @@ def test_the_seed_decides_the_weights(dummy_dir: Path):
 def test_a_gguf_source_keeps_its_shapes_but_not_its_4bit_weights():
     # The converted embedded model has its 4-bit groups on disk: they are real weights, and must
     # not run beside random ones (decode steps would then use the real model's projections).
-    runner = load_dummy(embedded_model_dir(), dtype="bfloat16", gguf_q4_max_batch=8)
+    runner = load_dummy(embedded_model_dir(), dtype=REDUCED_DTYPE, gguf_q4_max_batch=8)
     assert runner.q4_bytes == 0
     assert runner.num_layers == 30
     assert torch.isfinite(first_logits(runner)).all()

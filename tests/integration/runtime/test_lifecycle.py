@@ -71,6 +71,24 @@ def test_berth_cpu_backend_without_a_compiler_is_a_one_line_error(monkeypatch):
     )
 
 
+def test_bf16_on_a_cpu_without_it_is_a_one_line_error(monkeypatch):
+    """An AVX2-only CPU (forced here: BERTH_CPU_ISA=avx2) cannot run bf16: refused before anything
+    starts, naming the way out, not a scheduler crash inside oneDNN."""
+    monkeypatch.setenv("BERTH_CPU_ISA", "avx2")
+    result = serve_fails("--dtype", "bfloat16")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "berth serve: error: --dtype bfloat16: this CPU has no bf16 support (AVX-512BW/VL/DQ, "
+        "AVX512-BF16, AMX or AVX-NE-CONVERT); use --dtype float32"
+    )
+    monkeypatch.setenv("BERTH_CPU_ISA", "avx3")
+    result = serve_fails()
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "berth serve: error: $BERTH_CPU_ISA='avx3': expected one of avx2 or unset"
+    )
+
+
 def test_bad_flag_value_is_a_usage_error():
     result = serve_fails("--max-running-requests", "0")
     assert result.returncode == 2

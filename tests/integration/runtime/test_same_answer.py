@@ -16,6 +16,7 @@ import torch
 
 from berth_runtime.model_executor.model_runner import cpu_has_native_bf16
 from berth_runtime.models.gguf_q4 import can_run_int4
+from berth_runtime.utils import cpu_isa
 from tests.helpers import RunningServer
 from tests.integration.runtime.chat_prompts import QUESTIONS, messages
 
@@ -31,24 +32,36 @@ def server_info(base_url: str) -> dict:
     return response.json()
 
 
+# The defaults of this CPU and, where it has more than AVX2, those of an AVX2-only CPU
+# (BERTH_CPU_ISA=avx2): whatever CPU runs the suite checks both.
+CPUS = {"this CPU": {}}
+if cpu_isa.isa_cap() is None and "avx512bw" in (cpu_isa.cpu_flags() or ()):
+    CPUS["AVX2"] = {cpu_isa.ISA_ENV: "avx2"}
+
+
+@pytest.fixture(scope="module", params=list(CPUS))
+def cpu_env(request) -> dict[str, str]:
+    return CPUS[request.param]
+
+
 @pytest.fixture(scope="module")
-def server() -> Iterator[RunningServer]:
-    """`berth serve` with nothing but a port: the defaults a new user gets. These tests are about
-    the defaults of a CPU with native bf16: bf16 with the 4-bit decode path live, where the
-    prompt's prefill and the short steps after it run on different weights."""
-    if not (cpu_has_native_bf16() and can_run_int4(torch.bfloat16, torch.device("cpu"))):
-        pytest.skip(
-            "this CPU has no native bf16 (or this PyTorch no CPU int4 kernel): `berth serve` "
-            "defaults to fp32 without the 4-bit decode path, not the case under test"
-        )
-    srv = RunningServer().wait_ready()
+def server(cpu_env: dict[str, str]) -> Iterator[RunningServer]:
+    """`berth serve` with nothing but a port: the defaults a new user gets. With the 4-bit decode
+    path live (wherever Berth's int8 kernel or PyTorch's int4 kernel runs), the prompt's prefill
+    and the short steps after it run on different weights: bf16 and 4-bit on CPUs with native
+    bf16, fp32 and 4-bit on others (AVX2)."""
+    srv = RunningServer(env=cpu_env).wait_ready()
     try:
-        info = server_info(srv.base_url)
-        engine = info["engine"]
-        assert engine["dtype"] == "bfloat16", engine
+        engine = server_info(srv.base_url)["engine"]
+        bf16 = not cpu_env and cpu_has_native_bf16()
+        assert engine["dtype"] == ("bfloat16" if bf16 else "float32"), engine
         assert engine["attention_backend"] == "berth_cpu", engine
-        assert engine["gguf_q4_max_batch"] > 0, engine
-        assert engine["q4_weight_bytes"] > 0, engine  # the 4-bit weights are really loaded
+        x86 = "avx2" in (cpu_isa.cpu_flags() or ())  # Berth's int8 kernel runs
+        if x86 or (bf16 and can_run_int4(torch.bfloat16, torch.device("cpu"))):
+            assert engine["gguf_q4_max_batch"] > 0, engine
+            assert engine["q4_weight_bytes"] > 0, engine  # the 4-bit weights are really loaded
+        if cpu_env:
+            assert engine["quant_isa"] == "avx2" and engine["cpu_capability"] == "AVX2", engine
     except BaseException:
         srv.stop()
         raise
@@ -129,14 +142,14 @@ def test_next_turn_does_not_depend_on_the_previous_turn_being_cached(http):
     assert not differing, differing
 
 
-def test_answer_does_not_depend_on_prefill_chunking(http):
+def test_answer_does_not_depend_on_prefill_chunking(http, cpu_env):
     """A server that prefills in chunks of 8 tokens answers every question as the default
     (512-token chunks: these prompts in one step) does."""
     expected = {}
     for question in QUESTIONS:
         flush(http)
         expected[question] = ask(http, messages(question)).text
-    chunked = RunningServer("--chunked-prefill-size", str(CHUNK)).wait_ready()
+    chunked = RunningServer("--chunked-prefill-size", str(CHUNK), env=cpu_env).wait_ready()
     try:
         assert server_info(chunked.base_url)["server_args"]["chunked_prefill_size"] == CHUNK
         with httpx.Client(base_url=chunked.base_url, timeout=120) as other:
