@@ -5,9 +5,12 @@ and the real model on both backends."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -302,14 +305,28 @@ def test_build_errors_are_one_clear_line(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("*.so")), "a failed build leaves no library behind"
 
 
-def test_prebuilt_directory_is_used_first(tmp_path):
-    """Images ship prebuilt libraries in $BERTH_KERNELS_DIR: found there, nothing is compiled
-    (no compiler on PATH) and the cache stays empty. In a subprocess: a process can register the
-    torch.ops.berth library only once."""
-    prebuilt = cpu_kernels.build(tmp_path / "prebuilt", cpu_kernels.cpu_capability())
-    # Readable by everyone, as a compiler's output is: an image builds its kernels as root and
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory every user may enter (pytest's own are the owner's only)."""
+    path = Path(tempfile.mkdtemp(prefix="berth-kernels-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_prebuilt_directory_is_used_first(tmp_path, shared_dir):
+    """Images ship prebuilt libraries in $BERTH_KERNELS_DIR (built by the Dockerfile's step,
+    `python -m berth_runtime.kernels.cpu DIR`): found there, nothing is compiled (no compiler on
+    PATH) and the cache stays empty. In a subprocess: a process can register the torch.ops.berth
+    library only once."""
+    assert cpu_kernels.main([str(shared_dir)]) == 0
+    prebuilt = shared_dir / cpu_kernels.library_name(cpu_kernels.cpu_capability())
+    # Readable by every user, as a compiler's output is: an image builds its kernels as root and
     # runs as another user (a 0600 file left its pods on the slow attention fallback).
     assert prebuilt.stat().st_mode & 0o777 == 0o644
+    if os.geteuid() == 0:  # read it as nobody, as the image's runtime user would
+        result = subprocess.run(["head", "-c", "4", str(prebuilt)], capture_output=True, user=65534)
+        assert result.returncode == 0 and result.stdout == b"\x7fELF", result.stderr
     env = {
         **os.environ,
         cpu_kernels.KERNELS_DIR_ENV: str(prebuilt.parent),
