@@ -99,3 +99,11 @@ def test_pins_cover_and_satisfy_pyproject(stage: str, extras: tuple[str, ...]) -
 def test_operator_image_has_no_torch_and_the_runtime_image_has() -> None:
     assert "torch" not in pins(stages()["operator-build"])
     assert "torch" in pins(stages()["runtime-build"])
+
+
+def test_cpu_image_prebuilds_the_kernels_for_every_simd_level() -> None:
+    """AVX-512, AVX2 and plain builds, so a pod on an AVX2-only node needs no compiler; the
+    runtime finds them through $BERTH_KERNELS_DIR."""
+    build = stages()["runtime-build"]
+    assert "python -m berth_runtime.kernels.cpu --all /opt/berth-kernels" in build
+    assert "BERTH_KERNELS_DIR=/opt/berth-kernels" in DOCKERFILE.read_text()
