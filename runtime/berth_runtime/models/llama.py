@@ -123,8 +123,8 @@ _EXACT_ROWS_PER_CHUNK = 256
 def exact_top_logits(
     logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, cpu_kernels: bool
 ) -> torch.Tensor:
-    """fp32 scores [rows, V] from a reduced-precision lm_head's `logits`, with each row's top
-    candidates recomputed exactly from the same `hidden` and `weight`.
+    """fp32 scores [rows, V] from a reduced-precision lm_head's `logits` (bf16, or the 8-bit
+    copy's), with each row's top candidates recomputed exactly from the same `hidden` and `weight`.
 
     A bf16 lm_head accumulates in fp32 but rounds each score to bf16: steps of 0.125 at the size
     of a top score, so two leading tokens 0.08 apart (as in the embedded model's answer to
@@ -411,13 +411,14 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 vocab scores [rows, V]: the lm_head in the model's dtype, then each row's top
-        candidates computed again exactly (see `exact_top_logits`)."""
+        """fp32 vocab scores [rows, V]: the lm_head in the model's dtype (or, for small steps,
+        on its 8-bit copy, fp32 models included), then each row's top candidates computed again
+        exactly (see `exact_top_logits`); an fp32 lm_head's scores are exact already."""
         weight = self.lm_head_weight()
         head8 = self.int8_lm_head
         approximate = head8 is not None and hidden.shape[0] <= head8.max_rows
         if approximate:  # int8 scores, in bf16 or fp32: candidates only
-            logits = self.int8_lm_head.scores(hidden)
+            logits = head8.scores(hidden)
         elif self.prepacked:  # the packed copy, or the plain weight beside an 8-bit one
             head = self.packed_lm_head if self.packed_lm_head is not None else weight
             logits = packed_linear(hidden, head)
