@@ -39,6 +39,13 @@ control-plane: ## Build (or reuse, cached by version) etcd, kube-apiserver, kube
 test: install control-plane ## Run unit, integration and cluster tests (CPU; a local control plane)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+.PHONY: e2e
+e2e: install control-plane ## Real pods: build (cached) a node and the images from this checkout, run tests/e2e on a one-node cluster, remove it all (root)
+	hack/e2e/host.sh
+	hack/node/build.sh
+	PYTHON=$(BIN)/python hack/e2e/images.sh
+	$(BIN)/python -m pytest tests/e2e --run-e2e $(E2E_ARGS)
+
 .PHONY: lint
 lint: install ## ruff lint + format check
 	$(BIN)/ruff check .

@@ -24,6 +24,8 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=versions.env
 source "$here/versions.env"
+# shellcheck source=../lib/gobuild.sh
+source "$here/../lib/gobuild.sh"
 
 BINARIES=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok)
 # kwok's default "fast" Stages (kustomize/stage/fast in its module), without kustomize.
@@ -72,70 +74,17 @@ mkdir -p "$bin"
 export CGO_ENABLED=0
 started=$SECONDS
 
-# run LOG CMD...: run a noisy go command; its whole output is shown only if it fails.
-run() {
-  local log=$1
-  shift
-  if ! "$@" >"$log" 2>&1; then
-    cat "$log" >&2
-    echo "build.sh: failed: $*" >&2
-    return 1
-  fi
-}
-
-# module DIR: an empty Go module of ours to build others' main packages from.
-module() {
-  mkdir -p "$1"
-  printf 'module berth.test/control-plane/%s\n\ngo 1.26\n' "$(basename "$1")" >"$1/go.mod"
-}
-
-step() { echo "==> $* ($((SECONDS - started)) s)"; }
-
-# kube-apiserver, kube-controller-manager, kube-scheduler and kubectl. k8s.io/kubernetes's go.mod
-# replaces every k8s.io/* staging module with ./staging/src/k8s.io/<name>, which only works inside
-# its own repository; a consumer replaces each with its published release, v0.<minor>.<patch> for
-# v1.<minor>.<patch>.
+# kube-apiserver, kube-controller-manager, kube-scheduler and kubectl.
 step "k8s.io/kubernetes $KUBERNETES_VERSION: resolving modules"
-src=$work/kubernetes
-module "$src"
-cd "$src"
-staging_version=v0.${KUBERNETES_VERSION#v1.}
-# On failure, Go's JSON answer carries the proxy's exact error ("Error": ...).
-if ! info=$(go mod download -json "k8s.io/kubernetes@$KUBERNETES_VERSION" 2>&1); then
-  echo "$info" >&2
-  echo "build.sh: failed: go mod download k8s.io/kubernetes@$KUBERNETES_VERSION" >&2
-  false
-fi
-gomod=$(sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p' <<<"$info")
-[[ -f $gomod ]] || {
-  echo "build.sh: no go.mod for k8s.io/kubernetes@$KUBERNETES_VERSION in: $info" >&2
-  false
-}
-staging=$(sed -n 's#^[[:space:]]*\(k8s\.io/[^ ]*\) => \./staging/src/.*#\1#p' "$gomod")
-[[ -n $staging ]] || {
-  echo "build.sh: found no staging replace directives in $gomod" >&2
-  false
-}
-edits=()
-for m in $staging; do
-  edits+=("-replace=$m=$m@$staging_version")
-done
-go mod edit "${edits[@]}"
+kubernetes_module "$work/kubernetes" "$KUBERNETES_VERSION"
 k8s_packages=()
 for b in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
   k8s_packages+=("k8s.io/kubernetes/cmd/$b")
 done
 run "$work/get-kubernetes.log" go get "${k8s_packages[@]/%/@$KUBERNETES_VERSION}"
-# The version the binaries report, as Kubernetes' own build sets it (hack/lib/version.sh).
-minor=${KUBERNETES_VERSION#v1.}
-ldflags="-s -w"
-for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-  ldflags+=" -X $pkg.gitVersion=$KUBERNETES_VERSION -X $pkg.gitMajor=1"
-  ldflags+=" -X $pkg.gitMinor=${minor%%.*} -X $pkg.gitTreeState=clean"
-done
 step "k8s.io/kubernetes $KUBERNETES_VERSION: building ${k8s_packages[*]##*/} (the long step)"
 # One go build for the four: they share most of their compiled packages.
-go build -trimpath -ldflags="$ldflags" -o "$bin/" "${k8s_packages[@]}"
+go build -trimpath -ldflags="$k8s_ldflags" -o "$bin/" "${k8s_packages[@]}"
 
 step "go.etcd.io/etcd/server/v3 $ETCD_VERSION: building etcd"
 src=$work/etcd
@@ -166,15 +115,5 @@ for binary in "${BINARIES[@]}"; do
   }
 done
 cp "$here/versions.env" "$bin/versions.env"
-# An incomplete directory in the way (an interrupted copy, an older layout) is replaced.
-if [[ -e $dest ]] && ! cached; then
-  mv -T "$dest" "$work/stale"
-fi
-if ! mv -T "$bin" "$dest" 2>/dev/null; then
-  cached || {
-    echo "build.sh: could not move $bin to $dest" >&2
-    false
-  }
-  echo "control plane: another build finished first; using it"
-fi
+install_cache "$bin" "$dest" cached
 step "control plane: built in $dest"

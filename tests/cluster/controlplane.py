@@ -180,11 +180,21 @@ class ControlPlane:
     """A control plane that lives in `workdir`: `start()` brings it up, `stop()` tears it down."""
 
     def __init__(
-        self, workdir: Path, binaries: Path, nodes: tuple[FakeNode, ...] = DEFAULT_NODES
+        self,
+        workdir: Path,
+        binaries: Path,
+        nodes: tuple[FakeNode, ...] = DEFAULT_NODES,
+        address: str = "127.0.0.1",
+        extra_clients: dict[str, tuple[str, tuple[str, ...]]] | None = None,
     ) -> None:
+        """`nodes`: kwok's fake nodes (none: no kwok, real kubelets join instead). `address`: the
+        one the API server listens on and advertises to the kubernetes Service (a real node's
+        pods reach it there). `extra_clients`: more client certificates (pki.CLIENTS' form)."""
         self.workdir = workdir
         self.binaries = binaries
         self.nodes = nodes
+        self.address = address
+        self.extra_clients = extra_clients or {}
         self.logs = workdir / "logs"
         self.kubeconfig = workdir / "admin.kubeconfig"
         self.audit_log = self.logs / "audit.jsonl"
@@ -305,11 +315,13 @@ class ControlPlane:
             return max(deadline - time.monotonic(), 1.0)
 
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.pki = certs = pki.generate(self.workdir / "pki")
+        self.pki = certs = pki.generate(
+            self.workdir / "pki", (f"IP:{self.address}",), self.extra_clients
+        )
         etcd_port, etcd_peer_port, apiserver_port, kcm_port, scheduler_port = (
             free_port() for _ in range(5)
         )
-        self.server = f"https://127.0.0.1:{apiserver_port}"
+        self.server = f"https://{self.address}:{apiserver_port}"
         kubeconfigs = {}
         for name, pair in certs.clients.items():
             path = self.kubeconfig if name == "admin" else self.workdir / f"{name}.kubeconfig"
@@ -343,11 +355,25 @@ class ControlPlane:
         )
         self._wait("etcd", lambda: http_ok(f"{etcd_url}/health"), remaining())
 
+        # For `kubectl logs`, `exec` and `port-forward` through real kubelets, which check it.
+        kubelet_client = certs.clients.get("apiserver-kubelet-client")
+        kubelet_args = (
+            [
+                f"--kubelet-client-certificate={kubelet_client.cert}",
+                f"--kubelet-client-key={kubelet_client.key}",
+                f"--kubelet-certificate-authority={certs.ca.cert}",
+                "--kubelet-preferred-address-types=InternalIP",
+            ]
+            if kubelet_client
+            else []
+        )
+        loopback = self.address.startswith("127.")
         self._spawn(
             "kube-apiserver",
             f"--etcd-servers={etcd_url}",
-            "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1",
+            f"--bind-address={self.address}",
+            f"--advertise-address={self.address}",
+            *kubelet_args,
             f"--secure-port={apiserver_port}",
             f"--cert-dir={self.workdir / 'apiserver-certs'}",
             f"--tls-cert-file={certs.apiserver.cert}",
@@ -363,8 +389,8 @@ class ControlPlane:
             # blockOwnerDeletion needs `update` on the owner's finalizers.
             "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
             "--allow-privileged=true",  # as on a kubelet cluster; PodSecurity decides per namespace
-            # The kubernetes Service gets no endpoints: a loopback address is not a valid one.
-            "--endpoint-reconciler-type=none",
+            # On loopback the kubernetes Service gets no endpoints: not a valid address for one.
+            f"--endpoint-reconciler-type={'none' if loopback else 'lease'}",
             "--profiling=false",
             f"--audit-policy-file={audit_policy}",
             f"--audit-log-path={self.audit_log}",
@@ -422,18 +448,19 @@ class ControlPlane:
             f"--v={LOG_VERBOSITY}",
         )
         annotation = "=".join(KWOK_NODE_ANNOTATION)
-        self._spawn(
-            "kwok",
-            f"--kubeconfig={kubeconfigs['kwok']}",
-            # kwok also reads ~/.kwok/kwok.yaml if it exists: HOME is the workdir (see _spawn).
-            f"--config={self.binaries / KWOK_STAGES}",
-            "--manage-all-nodes=false",
-            f"--manage-nodes-with-annotation-selector={annotation}",
-            f"--cidr={POD_CIDR}",
-            "--node-lease-duration-seconds=40",
-            "--v=WARN",
-        )
-        self._create_nodes()
+        if self.nodes:
+            self._spawn(
+                "kwok",
+                f"--kubeconfig={kubeconfigs['kwok']}",
+                # kwok also reads ~/.kwok/kwok.yaml if it exists: HOME is the workdir (see _spawn).
+                f"--config={self.binaries / KWOK_STAGES}",
+                "--manage-all-nodes=false",
+                f"--manage-nodes-with-annotation-selector={annotation}",
+                f"--cidr={POD_CIDR}",
+                "--node-lease-duration-seconds=40",
+                "--v=WARN",
+            )
+            self._create_nodes()
 
         insecure = ssl.create_default_context()
         insecure.check_hostname = False
@@ -451,7 +478,8 @@ class ControlPlane:
             remaining(),
             what="the default ServiceAccount (made by the controller-manager)",
         )
-        self._wait("kwok", self._nodes_ready, remaining(), what="the fake nodes to be Ready")
+        if self.nodes:
+            self._wait("kwok", self._nodes_ready, remaining(), what="the fake nodes to be Ready")
 
     def _spawn(self, name: str, *args: str) -> Component:
         log = self.logs / f"{name}.log"

@@ -36,9 +36,11 @@ CLIENTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kwok": ("berth-test-kwok", ("system:masters",)),
 }
 
-# Names the API server answers to: loopback, plus the in-cluster names of the kubernetes Service.
+# Names the API server answers to: loopback, plus the in-cluster names and address (the first of
+# the Service range) of the kubernetes Service.
 APISERVER_SANS = (
     "IP:127.0.0.1",
+    "IP:10.96.0.1",
     "DNS:localhost",
     "DNS:kubernetes",
     "DNS:kubernetes.default",
@@ -98,8 +100,14 @@ def _issue(name: str, subject: str, extensions: list[str], directory: Path) -> K
     return KeyPair(cert=directory / f"{name}.crt", key=key)
 
 
-def generate(directory: Path) -> Pki:
-    """Write a fresh CA, every certificate and the ServiceAccount key pair into `directory`."""
+def generate(
+    directory: Path,
+    extra_sans: tuple[str, ...] = (),
+    extra_clients: dict[str, tuple[str, tuple[str, ...]]] | None = None,
+) -> Pki:
+    """Write a fresh CA, every certificate and the ServiceAccount key pair into `directory`: the
+    API server's also for `extra_sans`, client certificates also for `extra_clients` (as
+    CLIENTS: name -> (user, groups))."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "openssl.cnf").write_text(_OPENSSL_CNF)
 
@@ -112,14 +120,18 @@ def generate(directory: Path) -> Pki:
     apiserver = _issue(
         "apiserver",
         _subject("kube-apiserver"),
-        [*_LEAF, "extendedKeyUsage = serverAuth", "subjectAltName = " + ",".join(APISERVER_SANS)],
+        [
+            *_LEAF,
+            "extendedKeyUsage = serverAuth",
+            "subjectAltName = " + ",".join((*APISERVER_SANS, *extra_sans)),
+        ],
         directory,
     )
     clients = {
         name: _issue(
             name, _subject(user, groups), [*_LEAF, "extendedKeyUsage = clientAuth"], directory
         )
-        for name, (user, groups) in CLIENTS.items()
+        for name, (user, groups) in {**CLIENTS, **(extra_clients or {})}.items()
     }
     sa_private_key = _new_key("sa.key", directory)
     _openssl("pkey -in sa.key -pubout -out sa.pub", directory)

@@ -182,7 +182,13 @@ def load(cache_dir: Path) -> Path:
             _error = f"loading the CPU kernels failed: {e}"
             raise KernelBuildError(_error) from e
         _loaded = path
+        logger.info("Loaded Berth's CPU kernels (%s) from %s", capability, path)
         return path
+
+
+def loaded_library() -> Path | None:
+    """The kernels' library this process loaded, or None (not loaded, or loading failed)."""
+    return _loaded
 
 
 def quant_linear_available() -> bool:

@@ -19,6 +19,7 @@ from berth_runtime.io_struct import (
     TokenizedGenerateReqInput,
     ToScheduler,
 )
+from berth_runtime.kernels import cpu as cpu_kernels
 from berth_runtime.managers.engine_liveness import StepClock, report_long_steps
 from berth_runtime.managers.scheduler import Scheduler
 from berth_runtime.model_executor.model_runner import LoadProgress, ModelRunner
@@ -84,6 +85,9 @@ def run_scheduler_process(
             "weight_bytes": runner.weight_bytes,
             "q4_weight_bytes": runner.q4_bytes,
             "attention_backend": runner.attention_backend,
+            # The library of Berth's CPU kernels loaded (prebuilt, or built into the cache); null
+            # where they are not (a GPU, or a CPU that fell back: see the log's warning).
+            "cpu_kernels": str(path) if (path := cpu_kernels.loaded_library()) else None,
             # Decode steps of at most this many sequences replay a CUDA graph (0: none do).
             "cuda_graph_max_bs": runner.graph_runner.max_bs if runner.graph_runner else 0,
             "cuda_graph_capture_s": (

@@ -198,6 +198,7 @@ def test_info_endpoints(http: httpx.Client):
     assert server_info["server_args"]["dtype"] == "float32"
     # --attention-backend auto: Berth's CPU kernels, built on this machine.
     assert server_info["engine"]["attention_backend"] == "berth_cpu"
+    assert server_info["engine"]["cpu_kernels"].endswith(".so")
     assert "api_key" not in server_info["server_args"]
     load = http.get("/get_load").json()
     assert load["max_total_num_tokens"] > 0

@@ -1,0 +1,75 @@
+# Shared by the build scripts under hack/ that build others' Go programs from the Go module proxy
+# (sourced, not run). The caller sets `work` (a scratch directory) and `started` (=$SECONDS).
+
+# run LOG CMD...: run a noisy go command; its whole output is shown only if it fails.
+run() {
+  local log=$1
+  shift
+  if ! "$@" >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "${0##*/}: failed: $*" >&2
+    return 1
+  fi
+}
+
+# module DIR: an empty Go module of ours to build others' main packages from.
+module() {
+  mkdir -p "$1"
+  printf 'module berth.test/build/%s\n\ngo 1.26\n' "$(basename "$1")" >"$1/go.mod"
+}
+
+step() { echo "==> $* ($((SECONDS - started)) s)"; }
+
+# kubernetes_module DIR VERSION: make DIR a module that can build k8s.io/kubernetes@VERSION's
+# commands, and set `k8s_ldflags` to the version stamp Kubernetes' own build sets
+# (hack/lib/version.sh). k8s.io/kubernetes's go.mod replaces every k8s.io/* staging module with
+# ./staging/src/k8s.io/<name>, which only works inside its own repository; a consumer replaces
+# each with its published release, v0.<minor>.<patch> for v1.<minor>.<patch>.
+kubernetes_module() {
+  local dir=$1 version=$2 info gomod staging m minor pkg
+  module "$dir"
+  cd "$dir"
+  # On failure, Go's JSON answer carries the proxy's exact error ("Error": ...).
+  if ! info=$(go mod download -json "k8s.io/kubernetes@$version" 2>&1); then
+    echo "$info" >&2
+    echo "${0##*/}: failed: go mod download k8s.io/kubernetes@$version" >&2
+    return 1
+  fi
+  gomod=$(sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p' <<<"$info")
+  [[ -f $gomod ]] || {
+    echo "${0##*/}: no go.mod for k8s.io/kubernetes@$version in: $info" >&2
+    return 1
+  }
+  staging=$(sed -n 's#^[[:space:]]*\(k8s\.io/[^ ]*\) => \./staging/src/.*#\1#p' "$gomod")
+  [[ -n $staging ]] || {
+    echo "${0##*/}: found no staging replace directives in $gomod" >&2
+    return 1
+  }
+  local edits=()
+  for m in $staging; do
+    edits+=("-replace=$m=$m@v0.${version#v1.}")
+  done
+  go mod edit "${edits[@]}"
+  minor=${version#v1.}
+  k8s_ldflags="-s -w"
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    k8s_ldflags+=" -X $pkg.gitVersion=$version -X $pkg.gitMajor=1"
+    k8s_ldflags+=" -X $pkg.gitMinor=${minor%%.*} -X $pkg.gitTreeState=clean"
+  done
+}
+
+# install_cache BIN DEST CACHED_FN: move the complete directory BIN into DEST (replacing an
+# incomplete one in the way), so that DEST either holds every file or does not exist.
+install_cache() {
+  local bin=$1 dest=$2 cached_fn=$3
+  if [[ -e $dest ]] && ! "$cached_fn"; then
+    mv -T "$dest" "$work/stale"
+  fi
+  if ! mv -T "$bin" "$dest" 2>/dev/null; then
+    "$cached_fn" || {
+      echo "${0##*/}: could not move $bin to $dest" >&2
+      return 1
+    }
+    echo "${0##*/}: another build finished first; using it"
+  fi
+}

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Build the real node that `make e2e` runs, from source through the Go module proxy.
+#
+# kubelet and kube-proxy come from k8s.io/kubernetes at the control plane's version
+# (hack/control-plane/versions.env), containerd and its runc shim from
+# github.com/containerd/containerd/v2 (with ctr, which imports the images) and CoreDNS from github.com/coredns/coredns, at the versions
+# in versions.env; pause, the pod sandbox's process, is Kubernetes' own pause.c from the same
+# module, linked statically (no registry holds its image here). runc and the CNI plugins come from
+# Debian's packages (hack/e2e/host.sh installs them). All of it is cached, keyed by the versions:
+#
+#   ${XDG_CACHE_HOME:-$HOME/.cache}/berth/node/k8s-<v>_containerd-<v>_coredns-<v>/
+#
+# built next to its final place and renamed into it once complete, as hack/control-plane/build.sh
+# does.
+#
+# usage: hack/node/build.sh              build, or reuse the cache
+#        hack/node/build.sh --print-dir  print the cache directory (built or not)
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=../control-plane/versions.env
+source "$here/../control-plane/versions.env"
+# shellcheck source=versions.env
+source "$here/versions.env"
+# shellcheck source=../lib/gobuild.sh
+source "$here/../lib/gobuild.sh"
+
+BINARIES=(kubelet kube-proxy containerd containerd-shim-runc-v2 ctr coredns pause)
+cache_root=${XDG_CACHE_HOME:-$HOME/.cache}/berth/node
+dest=$cache_root/k8s-${KUBERNETES_VERSION}_containerd-${CONTAINERD_VERSION}_coredns-${COREDNS_VERSION}
+
+if [[ ${1-} == --print-dir ]]; then
+  echo "$dest"
+  exit 0
+elif [[ $# -gt 0 ]]; then
+  echo "usage: $0 [--print-dir]" >&2
+  exit 2
+fi
+
+cached() {
+  local binary
+  for binary in "${BINARIES[@]}"; do
+    [[ -x $dest/$binary ]] || return 1
+  done
+}
+
+if cached; then
+  echo "node: cached in $dest"
+  exit 0
+fi
+
+for tool in go gcc; do
+  command -v "$tool" >/dev/null || {
+    echo "build.sh: $tool is not on PATH; the node is built from source with Go (>= 1.26) and gcc" >&2
+    exit 1
+  }
+done
+
+mkdir -p "$cache_root"
+work=$(mktemp -d "$cache_root/.build.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+trap 'echo "build.sh: FAILED (see the error above); nothing was cached" >&2' ERR
+bin=$work/bin
+mkdir -p "$bin"
+export CGO_ENABLED=0
+started=$SECONDS
+
+step "k8s.io/kubernetes $KUBERNETES_VERSION: resolving modules"
+kubernetes_module "$work/kubernetes" "$KUBERNETES_VERSION"
+run "$work/get-kubernetes.log" go get \
+  "k8s.io/kubernetes/cmd/kubelet@$KUBERNETES_VERSION" "k8s.io/kubernetes/cmd/kube-proxy@$KUBERNETES_VERSION"
+step "k8s.io/kubernetes $KUBERNETES_VERSION: building kubelet and kube-proxy (the long step)"
+go build -trimpath -ldflags="$k8s_ldflags" -o "$bin/" \
+  k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy
+# pause: the sandbox process, from the same module's build/pause/linux/pause.c.
+pause_source=$(go list -m -f '{{.Dir}}' k8s.io/kubernetes)/build/pause/linux/pause.c
+gcc -Os -static -DVERSION="berth-e2e-$KUBERNETES_VERSION" -o "$bin/pause" "$pause_source"
+strip "$bin/pause"
+
+step "github.com/containerd/containerd/v2 $CONTAINERD_VERSION: building containerd, its runc shim and ctr"
+module "$work/containerd"
+cd "$work/containerd"
+run "$work/get-containerd.log" go get \
+  "github.com/containerd/containerd/v2/cmd/containerd@$CONTAINERD_VERSION" \
+  "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2@$CONTAINERD_VERSION" \
+  "github.com/containerd/containerd/v2/cmd/ctr@$CONTAINERD_VERSION"
+# The storage drivers this host has no use for need cgo or kernel headers.
+go build -trimpath -tags no_btrfs,no_devmapper,no_zfs \
+  -ldflags="-s -w -X github.com/containerd/containerd/v2/version.Version=$CONTAINERD_VERSION" \
+  -o "$bin/" github.com/containerd/containerd/v2/cmd/containerd \
+  github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 \
+  github.com/containerd/containerd/v2/cmd/ctr
+
+step "github.com/coredns/coredns $COREDNS_VERSION: building coredns"
+module "$work/coredns"
+cd "$work/coredns"
+run "$work/get-coredns.log" go get "github.com/coredns/coredns@$COREDNS_VERSION"
+go build -trimpath -ldflags="-s -w" -o "$bin/coredns" github.com/coredns/coredns
+
+for binary in "${BINARIES[@]}"; do
+  [[ -x $bin/$binary ]] || {
+    echo "build.sh: $binary was not built" >&2
+    false
+  }
+done
+cp "$here/versions.env" "$bin/versions.env"
+install_cache "$bin" "$dest" cached
+step "node: built in $dest"
