@@ -70,7 +70,8 @@ def test_a_burst_scales_up_and_the_quiet_after_it_scales_down(installed: Cluster
 
                     installed.wait_until(scaled_up, 180, "the operator to scale to 2 ranks")
                     scaling = installed.get("inferenceservice", NAME, "-n", namespace)["status"]
-                    log(f"scaled up: {scaling.get('scaling', {}).get('message')}")
+                    autoscaler = scaling.get("autoscaler") or {}
+                    log(f"scaled up ({autoscaler.get('reason')}): {autoscaler.get('message')}")
                     installed.wait_until(
                         lambda: (
                             installed.get("inferenceservice", NAME, "-n", namespace)["status"][
@@ -95,13 +96,21 @@ def test_a_burst_scales_up_and_the_quiet_after_it_scales_down(installed: Cluster
                     worker.result(timeout=300)
         log(f"burst over: {answered[0]} requests answered")
 
-        def scaled_down() -> bool:
-            isvc = installed.get("inferenceservice", NAME, "-n", namespace)
-            sts = installed.get("statefulset", NAME, "-n", namespace)
-            return isvc["status"].get("desiredReplicas") == 1 and sts["spec"]["replicas"] == 1
+        def decided_down() -> dict:
+            status = installed.get("inferenceservice", NAME, "-n", namespace)["status"]
+            assert status.get("desiredReplicas") == 1, status.get("autoscaler")
+            return status.get("autoscaler") or {}
 
-        installed.wait_until(scaled_down, SCALE_DOWN_DELAY_S + 240, "the scale down to 1 rank")
-        log("scaled down to 1 rank")
+        autoscaler = installed.wait_until(
+            decided_down, SCALE_DOWN_DELAY_S + 180, "the operator to decide on 1 rank"
+        )
+        log(f"scale down decided ({autoscaler.get('reason')}): {autoscaler.get('message')}")
+        installed.wait_until(
+            lambda: installed.get("statefulset", NAME, "-n", namespace)["spec"]["replicas"] == 1,
+            180,
+            "the StatefulSet at 1 replica (after rank 1 drained)",
+        )
+        log("StatefulSet at 1 replica")
         installed.wait_until(
             lambda: (
                 installed.get("inferenceservice", NAME, "-n", namespace)["status"]["readyRanks"]
