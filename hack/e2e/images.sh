@@ -41,18 +41,35 @@ node_dir=$("$repo/hack/node/build.sh" --print-dir)
   echo "images.sh: no pause binary in $node_dir: run hack/node/build.sh first" >&2
   exit 1
 }
-mkdir -p "$out" "$run"
+mkdir -p "$out"
 
 context=$repo/.wheelhouse
-cleanup() {
-  if [[ -f $run/dockerd.pid ]]; then
-    kill "$(cat "$run/dockerd.pid")" 2>/dev/null || true
+# dockerd's own containerd makes /opt/containerd (empty) unless it is there already.
+[[ -e /opt/containerd ]] && had_opt=1 || had_opt=0
+# stop_dockerd: the dockerd of this script (or of one killed before it could clean up) and the
+# containerd it runs, found by their state directories under $run.
+stop_dockerd() {
+  local pids
+  if [[ -f $run/dockerd.pid ]] && kill "$(cat "$run/dockerd.pid")" 2>/dev/null; then
     for _ in $(seq 60); do [[ -f $run/dockerd.pid ]] || break; sleep 0.5; done
   fi
-  rm -rf "$context" "$run"
+  pids=$(pgrep -f -- "$run/" || true)
+  if [[ -n $pids ]]; then
+    kill -9 $pids 2>/dev/null || true
+  fi
+  rm -rf "$run"
 }
+cleanup() {
+  stop_dockerd
+  rm -rf "$context"
+  if [[ $had_opt == 0 ]]; then
+    rmdir /opt/containerd/bin /opt/containerd/lib /opt/containerd 2>/dev/null || true
+  fi
+}
+stop_dockerd
 trap cleanup EXIT
 step "dockerd (data in $cache/docker)"
+mkdir -p "$run"
 dockerd --data-root "$cache/docker" --exec-root "$run/exec" --pidfile "$run/dockerd.pid" \
   --host "$DOCKER_HOST" --bridge=none --iptables=false --ip6tables=false --ip-masq=false \
   --storage-driver=overlay2 >"$cache/dockerd.log" 2>&1 &

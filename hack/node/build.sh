@@ -2,10 +2,11 @@
 # Build the real node that `make e2e` runs, from source through the Go module proxy.
 #
 # kubelet and kube-proxy come from k8s.io/kubernetes at the control plane's version
-# (hack/control-plane/versions.env), containerd and its runc shim from
-# github.com/containerd/containerd/v2 (with ctr, which imports the images) and CoreDNS from github.com/coredns/coredns, at the versions
-# in versions.env; pause, the pod sandbox's process, is Kubernetes' own pause.c from the same
-# module, linked statically (no registry holds its image here). runc and the CNI plugins come from
+# (hack/control-plane/versions.env); containerd, its runc shim and ctr (which imports the images)
+# from github.com/containerd/containerd/v2; CoreDNS, with only the plugins of coredns/main.go,
+# from github.com/coredns/coredns; those two at the versions in versions.env. pause, the pod
+# sandbox's process, is Kubernetes' own pause.c from the same module, linked statically (no
+# registry holds its image here). runc and the CNI plugins come from
 # Debian's packages (hack/e2e/host.sh installs them). All of it is cached, keyed by the versions:
 #
 #   ${XDG_CACHE_HOME:-$HOME/.cache}/berth/node/k8s-<v>_containerd-<v>_coredns-<v>/
@@ -91,11 +92,13 @@ go build -trimpath -tags no_btrfs,no_devmapper,no_zfs \
   github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 \
   github.com/containerd/containerd/v2/cmd/ctr
 
-step "github.com/coredns/coredns $COREDNS_VERSION: building coredns"
+step "github.com/coredns/coredns $COREDNS_VERSION: building coredns (coredns/main.go's plugins)"
 module "$work/coredns"
+cp "$here/coredns/main.go" "$work/coredns/"
 cd "$work/coredns"
 run "$work/get-coredns.log" go get "github.com/coredns/coredns@$COREDNS_VERSION"
-go build -trimpath -ldflags="-s -w" -o "$bin/coredns" github.com/coredns/coredns
+run "$work/tidy-coredns.log" go mod tidy
+go build -trimpath -ldflags="-s -w" -o "$bin/coredns" .
 
 for binary in "${BINARIES[@]}"; do
   [[ -x $bin/$binary ]] || {

@@ -50,6 +50,7 @@ from tests.e2e.node_config import (
     NODE_IP,
     NODE_NAME,
     NODE_VETH,
+    POD_LOGS_DIR,
     POD_SUBNET,
     PREFIX,
     STATE_DIR,
@@ -330,6 +331,63 @@ def sweep(workdir: Path | None = None) -> None:
             with contextlib.suppress(OSError):
                 top.rmdir()
     sh("rm", "-rf", str(STATE_DIR), check=False)
+    _sweep_fixed_paths()
+
+
+def _sweep_fixed_paths() -> None:
+    """What kubelet, containerd's shims and the CNI library write to fixed host paths whatever
+    their configuration says, once no other kubelet or containerd runs to own it."""
+    others = [
+        p
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and _comm(p) in ("kubelet", "containerd", "containerd-shim")
+    ]
+    if others:
+        return
+    # kubelet: /var/log/containers holds links into its (moved) pod log directory.
+    containers = Path("/var/log/containers")
+    if containers.is_dir():
+        for link in containers.iterdir():
+            with contextlib.suppress(OSError):
+                if str(os.readlink(link)).startswith(str(POD_LOGS_DIR)):
+                    link.unlink()
+    # kubelet's device plugin socket and checkpoint; the shims' sockets; the CNI result cache.
+    plugins = Path("/var/lib/kubelet/device-plugins")
+    for name in ("kubelet.sock", "kubelet_internal_checkpoint"):
+        with contextlib.suppress(OSError):
+            (plugins / name).unlink()
+    shim_sockets = Path("/run/containerd/s")
+    if shim_sockets.is_dir():
+        for socket in shim_sockets.iterdir():
+            with contextlib.suppress(OSError):
+                socket.unlink()
+    results = Path("/var/lib/cni/results")
+    if results.is_dir():
+        ours = {
+            f.name.removeprefix(f"{PREFIX}-").rsplit("-", 1)[0] for f in results.glob(f"{PREFIX}-*")
+        }
+        for result in results.iterdir():
+            if result.name.startswith(f"{PREFIX}-") or any(i in result.name for i in ours):
+                with contextlib.suppress(OSError):
+                    result.unlink()
+    for directory in (
+        containers,
+        plugins,
+        plugins.parent,
+        shim_sockets,
+        shim_sockets.parent,
+        results,
+        results.parent,
+    ):
+        with contextlib.suppress(OSError):
+            directory.rmdir()  # only once empty: a directory the host used before stays
+
+
+def _comm(proc: Path) -> str:
+    try:
+        return (proc / "comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _wait_gone(pids: set[int], timeout: float = 10.0) -> None:

