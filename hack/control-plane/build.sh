@@ -39,14 +39,6 @@ KWOK_STAGES=(
 cache_root=${XDG_CACHE_HOME:-$HOME/.cache}/berth/control-plane
 dest=$cache_root/k8s-${KUBERNETES_VERSION}_etcd-${ETCD_VERSION}_kwok-${KWOK_VERSION}
 
-if [[ ${1-} == --print-dir ]]; then
-  echo "$dest"
-  exit 0
-elif [[ $# -gt 0 ]]; then
-  echo "usage: $0 [--print-dir]" >&2
-  exit 2
-fi
-
 cached() {
   local binary
   for binary in "${BINARIES[@]}"; do
@@ -55,24 +47,7 @@ cached() {
   [[ -f $dest/kwok-stages.yaml ]]
 }
 
-if cached; then
-  echo "control plane: cached in $dest"
-  exit 0
-fi
-
-command -v go >/dev/null || {
-  echo "build.sh: go is not on PATH; the control plane is built from source with Go (>= 1.26)" >&2
-  exit 1
-}
-
-mkdir -p "$cache_root"
-work=$(mktemp -d "$cache_root/.build.XXXXXX")
-trap 'rm -rf "$work"' EXIT
-trap 'echo "build.sh: FAILED (see the error above); nothing was cached" >&2' ERR
-bin=$work/bin
-mkdir -p "$bin"
-export CGO_ENABLED=0
-started=$SECONDS
+begin_cached_build "control plane" "go" "$@"
 
 # kube-apiserver, kube-controller-manager, kube-scheduler and kubectl.
 step "k8s.io/kubernetes $KUBERNETES_VERSION: resolving modules"

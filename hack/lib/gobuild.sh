@@ -1,5 +1,40 @@
 # Shared by the build scripts under hack/ that build others' Go programs from the Go module proxy
-# (sourced, not run). The caller sets `work` (a scratch directory) and `started` (=$SECONDS).
+# into a cache directory (sourced, not run).
+
+# begin_cached_build WHAT TOOLS ARGS...: the start of such a script, which sets `dest` (the cache
+# directory) and defines `cached` (every file is there) first. `--print-dir` prints `dest` and
+# exits; a complete cache is reused (exit); otherwise the TOOLS (space-separated) must be on PATH,
+# and `work` (a scratch directory next to `dest`, removed at exit), `bin` (in it) and `started`
+# are set.
+begin_cached_build() {
+  local what=$1 tools=$2 tool
+  shift 2
+  if [[ ${1-} == --print-dir ]]; then
+    echo "$dest"
+    exit 0
+  elif [[ $# -gt 0 ]]; then
+    echo "usage: $0 [--print-dir]" >&2
+    exit 2
+  fi
+  if cached; then
+    echo "$what: cached in $dest"
+    exit 0
+  fi
+  for tool in $tools; do
+    command -v "$tool" >/dev/null || {
+      echo "${0##*/}: $tool is not on PATH; the $what is built from source with: $tools" >&2
+      exit 1
+    }
+  done
+  mkdir -p "$(dirname "$dest")"
+  work=$(mktemp -d "$(dirname "$dest")/.build.XXXXXX")
+  trap 'rm -rf "$work"' EXIT
+  trap 'echo "${0##*/}: FAILED (see the error above); nothing was cached" >&2' ERR
+  bin=$work/bin
+  mkdir -p "$bin"
+  export CGO_ENABLED=0
+  started=$SECONDS
+}
 
 # run LOG CMD...: run a noisy go command; its whole output is shown only if it fails.
 run() {

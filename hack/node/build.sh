@@ -30,14 +30,6 @@ BINARIES=(kubelet kube-proxy containerd containerd-shim-runc-v2 ctr coredns paus
 cache_root=${XDG_CACHE_HOME:-$HOME/.cache}/berth/node
 dest=$cache_root/k8s-${KUBERNETES_VERSION}_containerd-${CONTAINERD_VERSION}_coredns-${COREDNS_VERSION}
 
-if [[ ${1-} == --print-dir ]]; then
-  echo "$dest"
-  exit 0
-elif [[ $# -gt 0 ]]; then
-  echo "usage: $0 [--print-dir]" >&2
-  exit 2
-fi
-
 cached() {
   local binary
   for binary in "${BINARIES[@]}"; do
@@ -45,26 +37,7 @@ cached() {
   done
 }
 
-if cached; then
-  echo "node: cached in $dest"
-  exit 0
-fi
-
-for tool in go gcc; do
-  command -v "$tool" >/dev/null || {
-    echo "build.sh: $tool is not on PATH; the node is built from source with Go (>= 1.26) and gcc" >&2
-    exit 1
-  }
-done
-
-mkdir -p "$cache_root"
-work=$(mktemp -d "$cache_root/.build.XXXXXX")
-trap 'rm -rf "$work"' EXIT
-trap 'echo "build.sh: FAILED (see the error above); nothing was cached" >&2' ERR
-bin=$work/bin
-mkdir -p "$bin"
-export CGO_ENABLED=0
-started=$SECONDS
+begin_cached_build "node" "go gcc" "$@"
 
 step "k8s.io/kubernetes $KUBERNETES_VERSION: resolving modules"
 kubernetes_module "$work/kubernetes" "$KUBERNETES_VERSION"
