@@ -131,6 +131,8 @@ for image in "berth.local/berth-router:$version" "berth.local/berth-operator:$ve
   mv "$out/.$name.tar" "$out/$name.tar"
   echo "$id $image" >"$out/$name.id"
 done
-# Layers no image uses any more (an older build of the runtime's last layers) are dropped.
+# What no image uses any more (an older build's last layers, several GB each for the runtime) is
+# dropped: images without a name, and build cache this build did not use.
 "$docker" image prune --force >/dev/null
+"$docker" builder prune --force --filter "until=$((SECONDS - started + 60))s" >/dev/null
 step "images: in $out"

@@ -10,6 +10,7 @@ report carries the operator's log, the pods of its namespace and the node's logs
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 from collections.abc import Generator, Iterator
 from pathlib import Path
@@ -54,6 +55,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     )
     node = real_node.Node(workdir / "node", node_binaries, plane, IMAGES_DIR)
     running = Cluster(plane, node, images)
+    # SIGTERM (a CI timeout, `kill`) tears down as Ctrl-C does, instead of leaving pods running.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         node.create_network()
         plane.start()
@@ -64,6 +67,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         _running = None
         node.stop()
         plane.stop()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 @pytest.fixture(scope="package")
