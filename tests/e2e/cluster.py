@@ -62,15 +62,28 @@ class Cluster:
 
     def wait_until(self, check: Callable[[], Any], timeout: float, what: str) -> Any:
         """Poll `check` every 2 s until it returns something true; what it reads may not exist
-        yet (a kubectl error or a missing key is retried)."""
-        return wait_for(
-            check,
-            timeout,
-            interval=2,
-            what=what,
-            retry_on=(AssertionError, KeyError, IndexError, KubectlError),
-            error=pytest.fail.Exception,
-        )
+        yet (a kubectl error or a missing key is retried). On timeout, the last such error is
+        part of the failure."""
+        last: list[str] = []
+
+        def attempt() -> Any:
+            try:
+                return check()
+            except (AssertionError, KeyError, IndexError, KubectlError) as error:
+                last[:] = [f"{type(error).__name__}: {error}"]
+                raise
+
+        try:
+            return wait_for(
+                attempt,
+                timeout,
+                interval=2,
+                what=what,
+                retry_on=(AssertionError, KeyError, IndexError, KubectlError),
+                error=pytest.fail.Exception,
+            )
+        except pytest.fail.Exception as error:
+            raise pytest.fail.Exception(f"{error}; last seen: {last[0] if last else '-'}") from None
 
     def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         return self.get("pods", "-n", namespace, "-l", selector)["items"]

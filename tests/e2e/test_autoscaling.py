@@ -98,7 +98,7 @@ def test_a_burst_scales_up_and_the_quiet_after_it_scales_down(installed: Cluster
 
         def decided_down() -> dict:
             status = installed.get("inferenceservice", NAME, "-n", namespace)["status"]
-            assert status.get("desiredReplicas") == 1, status.get("autoscaler")
+            assert status.get("desiredReplicas") == 1, (status.get("autoscaler"), status["ranks"])
             return status.get("autoscaler") or {}
 
         autoscaler = installed.wait_until(

@@ -76,3 +76,51 @@ async def test_a_405_allows_every_method_of_the_path_not_only_the_first_routes()
     assert response.status_code == 405
     assert response.headers["allow"] == "DELETE, GET"
     assert response.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_an_idle_connection_outlives_the_clients_keep_alive() -> None:
+    """A client that reuses a connection after 6 s idle (the operator scrapes every 5 s; httpx
+    keeps connections 5 s) finds it open: the server must not close it first."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from berth_common.http import KEEP_ALIVE_S, uvicorn_config
+    from berth_common.server_process import free_port
+
+    app = FastAPI()
+
+    @app.get("/ping")
+    async def ping() -> dict[str, bool]:
+        return {"ok": True}
+
+    port = free_port()
+    config = uvicorn_config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        graceful_shutdown_s=1,
+        access_log=False,
+    )
+    assert config.timeout_keep_alive == KEEP_ALIVE_S > 60
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        request = f"GET /ping HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+            for attempt in range(2):
+                if attempt:
+                    time.sleep(6)  # past uvicorn's own default (5 s)
+                conn.sendall(request)
+                reply = conn.recv(4096)
+                assert reply.startswith(b"HTTP/1.1 200"), (attempt, reply)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
