@@ -83,12 +83,4 @@ kwok_dir=$(go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)
   done
 } >"$bin/kwok-stages.yaml"
 
-for binary in "${BINARIES[@]}"; do
-  [[ -x $bin/$binary ]] || {
-    echo "build.sh: $binary was not built" >&2
-    false
-  }
-done
-cp "$here/versions.env" "$bin/versions.env"
-install_cache "$bin" "$dest" cached
-step "control plane: built in $dest"
+finish_cached_build "control plane" "$here/versions.env"

@@ -93,18 +93,27 @@ kubernetes_module() {
   done
 }
 
-# install_cache BIN DEST CACHED_FN: move the complete directory BIN into DEST (replacing an
-# incomplete one in the way), so that DEST either holds every file or does not exist.
-install_cache() {
-  local bin=$1 dest=$2 cached_fn=$3
-  if [[ -e $dest ]] && ! "$cached_fn"; then
+# finish_cached_build WHAT VERSIONS_FILE: check that every one of the caller's BINARIES was built
+# into `bin`, put VERSIONS_FILE beside them, and move the complete directory into `dest`
+# (replacing an incomplete one in the way), so that `dest` holds every file or does not exist.
+finish_cached_build() {
+  local what=$1 versions=$2 binary
+  for binary in "${BINARIES[@]}"; do
+    [[ -x $bin/$binary ]] || {
+      echo "${0##*/}: $binary was not built" >&2
+      return 1
+    }
+  done
+  cp "$versions" "$bin/versions.env"
+  if [[ -e $dest ]] && ! cached; then
     mv -T "$dest" "$work/stale"
   fi
   if ! mv -T "$bin" "$dest" 2>/dev/null; then
-    "$cached_fn" || {
+    cached || {
       echo "${0##*/}: could not move $bin to $dest" >&2
       return 1
     }
     echo "${0##*/}: another build finished first; using it"
   fi
+  step "$what: built in $dest"
 }

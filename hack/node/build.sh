@@ -73,12 +73,4 @@ run "$work/get-coredns.log" go get "github.com/coredns/coredns@$COREDNS_VERSION"
 run "$work/tidy-coredns.log" go mod tidy
 go build -trimpath -ldflags="-s -w" -o "$bin/coredns" .
 
-for binary in "${BINARIES[@]}"; do
-  [[ -x $bin/$binary ]] || {
-    echo "build.sh: $binary was not built" >&2
-    false
-  }
-done
-cp "$here/versions.env" "$bin/versions.env"
-install_cache "$bin" "$dest" cached
-step "node: built in $dest"
+finish_cached_build "node" "$here/versions.env"
