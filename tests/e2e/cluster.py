@@ -85,9 +85,6 @@ class Cluster:
         except pytest.fail.Exception as error:
             raise pytest.fail.Exception(f"{error}; last seen: {last[0] if last else '-'}") from None
 
-    def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
-        return self.get("pods", "-n", namespace, "-l", selector)["items"]
-
     def exec(self, namespace: str, pod: str, *command: str) -> str:
         return self.kubectl("exec", "-n", namespace, pod, "--", *command).stdout
 
