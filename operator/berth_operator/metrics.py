@@ -33,7 +33,7 @@ QUEUED_REQUESTS = Gauge(
 )
 STALLED_RANKS = Gauge(
     "berth_operator_stalled_ranks",
-    "Ranks whose scheduler is stalled (withdrawn from routing)",
+    "Ranks withdrawn from routing as stalled: the scheduler stopped, or restarted and not ready",
     LABELS,
     registry=REGISTRY,
 )

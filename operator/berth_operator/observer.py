@@ -35,11 +35,27 @@ class Event:
 
 @dataclass
 class Stall:
+    """A rank whose scheduler stopped making progress: from the scrape that saw it until the
+    scheduler moves again or, once the operator has deleted its pod, until the replacement pod
+    is ready. The rank stays withdrawn from routing, and Degraded names it, all that time."""
+
     pod: str
     uid: str
     since: float
     reason: str
-    restart_requested: bool = False
+    restart_requested: bool = False  # its pod was deleted: the StatefulSet brings a new one
+
+    @property
+    def state(self) -> str:
+        return "Restarting" if self.restart_requested else "Stalled"
+
+    def describe(self) -> str:
+        if self.restart_requested:
+            return (
+                f"pod deleted after its scheduler stalled ({self.reason}); "
+                "waiting for the new pod to be ready"
+            )
+        return self.reason
 
 
 @dataclass
@@ -172,8 +188,13 @@ class RankObserver:
             reason = health.stall_reason(window, timeout)
             stall = self.stalls.get(rank)
             if stall is not None and stall.uid != latest.uid:
-                stall = self.stalls.pop(rank)  # the pod was replaced: judge the new one afresh
-                events.append(Event("Normal", "RankReplaced", f"rank {rank}: new pod {latest.pod}"))
+                if stall.restart_requested and reason is None and not latest.serving:
+                    continue  # the replacement of a restarted rank is still starting
+                del self.stalls[rank]  # the pod was replaced: judge the new one afresh
+                after = " after the restart" if stall.restart_requested else ""
+                events.append(
+                    Event("Normal", "RankReplaced", f"rank {rank}: new pod {latest.pod}{after}")
+                )
                 stall = None
             if reason is not None and stall is None:
                 self.stalls[rank] = Stall(latest.pod, latest.uid, now, reason)
@@ -195,8 +216,11 @@ class RankObserver:
                         f"rank {rank} ({latest.pod}) is making progress again; routed again",
                     )
                 )
-        for rank in list(self.stalls):
-            if rank not in self.windows:
+        ranks = self.desired_ranks(isvc)
+        for rank, stall in list(self.stalls.items()):
+            # A pod gone without the operator's restart takes its stall with it; a restarted
+            # rank stays withdrawn and reported until its replacement serves (or is scaled away).
+            if rank not in self.windows and not (stall.restart_requested and rank < ranks):
                 del self.stalls[rank]
         imbalance = health.imbalance_reason(
             self.windows, now, isvc.spec.health.imbalance_window_seconds
@@ -255,6 +279,11 @@ class RankObserver:
         for rank in range(plan.pods):
             sample = self.latest.get(rank)
             entry: dict[str, Any] = {"rank": rank}
+            stall = self.stalls.get(rank)
+            if sample is None and stall is not None:  # its pod deleted by the operator
+                entry.update(state=stall.state, ready=False, message=stall.describe())
+                ranks.append(entry)
+                continue
             if sample is None:
                 entry.update(state="Starting", ready=False, message="no pod with an address yet")
                 ranks.append(entry)
@@ -268,8 +297,8 @@ class RankObserver:
                     genThroughput=round(sample.gen_throughput, 1),
                     lastScrape=_rfc3339(sample.time),
                 )
-            if rank in self.stalls:
-                entry.update(state="Stalled", message=self.stalls[rank].reason)
+            if stall is not None:
+                entry.update(state=stall.state, message=stall.describe())
             elif rank == self.draining:
                 entry.update(state="Draining", message="being removed: finishing its requests")
             elif not sample.ok:
@@ -299,7 +328,9 @@ class RankObserver:
             queued=sum(s.queued for s in answered),
             running=sum(s.running for s in answered),
             kv_usage=max((s.token_usage for s in answered), default=None),
-            stalled={rank: f"rank {rank} ({s.pod}): {s.reason}" for rank, s in self.stalls.items()},
+            stalled={
+                rank: f"rank {rank} ({s.pod}): {s.describe()}" for rank, s in self.stalls.items()
+            },
             imbalance=self.imbalance,
             autoscaler=autoscaler,
         )

@@ -71,6 +71,11 @@ class RankSample:
         return self.queued + self.running > 0
 
     @property
+    def serving(self) -> bool:
+        """The pod is ready and answers: it takes requests through its Service."""
+        return self.ok and self.ready
+
+    @property
     def idle(self) -> bool:
         """Nothing left to finish anywhere in the server: safe to remove the rank."""
         return not self.busy and self.inflight == 0

@@ -432,8 +432,9 @@ class Worker:
         observer = self.observer
         events = observer.observe(isvc, samples, now)
         for stall in observer.restarts_due(isvc, now):
-            stall.restart_requested = True
+            # Gone already (False) counts too: the StatefulSet brings the replacement either way.
             await self.kube.delete(k8s.POD, self.namespace, stall.pod, uid=stall.uid)
+            stall.restart_requested = True
             metrics.RANK_RESTARTS.labels(self.namespace, self.name).inc()
             events.append(
                 Event(

@@ -199,6 +199,63 @@ def test_restarts_are_due_after_the_grace_and_only_once() -> None:
     assert run.observer.restarts_due(run.isvc, BASE + 1000) == []
 
 
+def restarted_run() -> Run:
+    """Rank 1 stalled, its pod deleted by the operator (what the worker does when it is due)."""
+    run = stalled_run()
+    (due,) = run.observer.restarts_due(run.isvc, BASE + 40)
+    due.restart_requested = True
+    return run
+
+
+def test_a_restarted_rank_stays_withdrawn_and_reported_until_its_new_pod_is_ready() -> None:
+    run = restarted_run()
+    # The old pod is terminating (no scrape target), then its replacement starts, not ready.
+    assert run.tick(42, [sample(0, 42), sample(2, 42)]) == []
+    assert run.plan.withdrawn == {1}
+    entry = run.live_ranks()[1]
+    assert (entry["state"], entry["ready"]) == ("Restarting", False)
+    assert entry["message"].startswith("pod deleted after its scheduler stalled (scheduler ")
+    (message,) = run.observer.live(run.isvc).stalled.values()
+    assert message.startswith("rank 1 (chat-1): pod deleted after its scheduler stalled")
+    assert message.endswith("waiting for the new pod to be ready")
+
+    def starting(t: float) -> list[RankSample]:
+        new = sample(1, t, heartbeat=0.0, uid="uid-1-new", ready=False)
+        return [sample(0, t), new, sample(2, t)]
+
+    assert run.over(44, 60, starting) == []
+    assert run.plan.withdrawn == {1}
+    assert run.live_ranks()[1]["state"] == "Restarting"
+
+    def serving(t: float) -> list[RankSample]:
+        return [sample(0, t), sample(1, t, uid="uid-1-new"), sample(2, t)]
+
+    events = run.over(62, 64, serving)
+    assert reasons(events) == [(62, "RankReplaced")]
+    assert events[0][1].message == "rank 1: new pod chat-1 after the restart"
+    assert run.plan == RankPlan(3)
+    assert run.observer.live(run.isvc).stalled == {}
+    assert run.live_ranks()[1]["state"] == "Serving"
+
+
+def test_a_restarted_rank_whose_new_pod_stalls_too_is_stalled_afresh() -> None:
+    run = restarted_run()
+    events = run.over(
+        42, 60, lambda t: [sample(0, t), sample(1, t, heartbeat=BASE, uid="uid-1-new")]
+    )
+    assert reasons(events) == [(42, "RankReplaced"), (52, "SchedulerStalled")]
+    stall = run.observer.stalls[1]
+    assert (stall.uid, stall.restart_requested) == ("uid-1-new", False)
+
+
+def test_a_restarted_rank_scaled_away_is_forgotten() -> None:
+    run = restarted_run()
+    run.isvc = parse({**HEALTH, "replicas": 1})
+    run.tick(42, [sample(0, 42)])
+    assert run.observer.stalls == {}
+    assert run.plan == RankPlan(1)
+
+
 def test_restart_after_zero_never_restarts() -> None:
     spec = {**HEALTH, "health": {**HEALTH["health"], "restartAfterSeconds": 0}}
     run = Run(spec)
