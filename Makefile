@@ -115,6 +115,10 @@ gpu-check: ## On a GPU machine, offline: GPU tests, greedy parity with HF, throu
 	PYTHON=$(PYTHON) WHEELS=$(or $(WHEELS),.whl) hack/gpu-check/run.sh $(GPU_CHECK_ARGS)
 
 ##@ Router
+.PHONY: bench-moe
+bench-moe: install ## MoE: a decode step of a sparse MoE model vs a dense one with the same active parameters
+	$(BIN)/python -m benchmarks.moe $(BENCH_ARGS)
+
 .PHONY: bench-router
 bench-router: install ## Router: added latency vs a direct rank; cache_aware vs round_robin prefix-cache hit rate
 	$(BIN)/python -m benchmarks.router $(BENCH_ARGS)

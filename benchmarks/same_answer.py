@@ -35,7 +35,7 @@ import torch
 
 from berth_runtime.model_executor.forward_batch import ForwardBatch
 from berth_runtime.model_executor.model_runner import ModelRunner, cpu_has_native_bf16
-from berth_runtime.models.llama import _linear_pointwise, packed_linear
+from berth_runtime.models.layers.linear import _linear_pointwise, packed_linear
 from berth_runtime.models.loader import resolve_model
 from berth_runtime.server_args import ServerArgs
 

@@ -6,7 +6,7 @@ with the same signatures and semantics: `kv` is one layer of the token-slot pool
 each position of each sequence (a row of ReqToTokenPool.req_to_token), and each query reads only
 its own sequence's first `len` slots where they lie: no gather into a padded copy.
 
-How the model calls them (the backend wiring is not in this module): exactly where LlamaAttention
+How the model calls them (the backend wiring is not in this module): exactly where Attention
 calls torch.ops.berth.decode_attention / extend_attention, with the same arguments, after the
 step's K/V were written into the pool (kv_cache.index_copy_(0, out_cache_loc, ...)):
     * decode: `decode_attention(q, kv_cache, batch.kv_indices, batch.seq_lens, scale)`;

@@ -76,6 +76,7 @@ def run_scheduler_process(
     ready.send(
         {
             "status": "ready",
+            "architecture": runner.architecture,
             "context_len": runner.context_len,
             "max_total_num_tokens": runner.kv_pool.size,
             "vocab_size": runner.vocab_size,

@@ -99,9 +99,9 @@ class ForwardBatch:
     ) -> ForwardBatch:
         """A prefill (extend) step: `extend_lens[b]` new tokens after `prefix_lens[b]` cached
         ones. One new token per sequence is still an extend, not a decode: the two may run on
-        different weights (see `models.llama.run_linear`), unless `verify` (speculative drafts:
-        each token computed as decoding it would). `with_mask`: build the attention mask, which
-        only SDPA reads."""
+        different weights (see `models.layers.linear.run_linear`), unless `verify` (speculative
+        drafts: each token computed as decoding it would). `with_mask`: build the attention mask,
+        which only SDPA reads."""
         extend = np.asarray(extend_lens, dtype=np.int64)
         prefix = np.asarray(prefix_lens, dtype=np.int64)
         seq_lens = prefix + extend

@@ -30,8 +30,9 @@ from berth_runtime.model_executor.device import (
 from berth_runtime.model_executor.forward_batch import DecodeLogits, ForwardBatch
 from berth_runtime.models.dummy_weights import DEFAULT_INIT_STD, init_dummy_weights
 from berth_runtime.models.gguf_q4 import can_run_int4
-from berth_runtime.models.llama import MODEL_CLASSES, can_prepack_cpu_linears
+from berth_runtime.models.layers.linear import can_prepack_cpu_linears
 from berth_runtime.models.loader import Q4_GROUPS_FILE, default_cache_dir
+from berth_runtime.models.registry import architecture_of, model_class
 from berth_runtime.server_args import ServerArgs
 from berth_runtime.utils import cpu_isa
 
@@ -119,12 +120,27 @@ class ModelRunner:
         self.dtype = resolve_dtype(args.dtype, self.device)
         context_length = args.context_length
         self.config = config or AutoConfig.from_pretrained(model_path)
-        arch = (self.config.architectures or ["LlamaForCausalLM"])[0]
-        model_cls = MODEL_CLASSES[arch]
+        arch = architecture_of(self.config)
+        if arch is None:
+            raise ValueError(f"unsupported architecture {self.config.architectures}")
+        self.architecture = arch
+        model_cls = model_class(arch)
         model_max = int(getattr(self.config, "max_position_embeddings", 4096))
         self.context_len = min(context_length, model_max) if context_length else model_max
         if context_length and context_length > model_max:
             logger.warning("--context-length %d exceeds the model's %d", context_length, model_max)
+        window = sliding_window_of(self.config)
+        if window is not None and self.context_len > window:
+            # Every layer of these families slides: within the window, sliding attention and
+            # full attention are the same, so sequences are kept to it.
+            logger.warning(
+                "%s attends within a sliding window of %d tokens: context length %d -> %d",
+                arch,
+                window,
+                self.context_len,
+                window,
+            )
+            self.context_len = window
         self.vocab_size = int(self.config.vocab_size)
 
         start = time.perf_counter()
@@ -132,8 +148,7 @@ class ModelRunner:
             model = model_cls(self.config, max_positions=self.context_len)
         model = model.to_empty(device=self.device).to(self.dtype)
         # Buffers (rotary tables) were on meta: rebuild them on the real device.
-        model.rotary.__init__(self.config, self.context_len)
-        model.rotary.to(self.device)
+        model.rebuild_buffers(self.device)
         dummy = args.load_format == "dummy"
         if dummy:
             std = float(getattr(self.config, "initializer_range", DEFAULT_INIT_STD))
@@ -195,6 +210,9 @@ class ModelRunner:
         # CUDA graphs need attention with no host sync: Triton's reads K/V in place.
         self.graph_runner: DecodeGraphRunner | None = None
         graphs = self.attention_backend == "triton" and not args.disable_cuda_graph
+        if graphs and self.device.type == "cuda" and not model.cuda_graphs:
+            logger.info("%s steps run eagerly: its MoE layers group tokens on the host", arch)
+            graphs = False
         if self.device.type == "cuda" and graphs:
             max_bs = min(
                 args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests
@@ -369,8 +387,17 @@ class ModelRunner:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 vocab scores [rows, V]; each row's leading candidates are exact (see
-        `models.llama.exact_top_logits`)."""
+        `models.layers.logits.exact_top_logits`)."""
         return self.model.compute_logits(hidden)
+
+
+def sliding_window_of(config: PretrainedConfig) -> int | None:
+    """The sliding window every attention layer keeps to (Mistral 7B v0.1, Phi-3), or None.
+    Qwen2/Qwen3 configs name a window they do not use (`use_sliding_window: false`)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from berth_runtime.models.registry import SUPPORTED_ARCHITECTURES, architecture_of
 from berth_runtime.server_args import BUILTIN_MODEL
 
 logger = logging.getLogger(__name__)
@@ -22,12 +23,6 @@ BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 Q4_GROUPS_FILE = "q4/groups.safetensors"
 # Bump when the converted layout changes, so stale caches are rebuilt.
 CONVERSION_VERSION = "2"
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_ARCH_BY_MODEL_TYPE = {
-    "llama": ["LlamaForCausalLM"],
-    "mistral": ["MistralForCausalLM"],
-    "qwen2": ["Qwen2ForCausalLM"],
-}
 
 
 LoadFormat = Literal["auto", "dummy"]  # --load-format
@@ -99,12 +94,10 @@ def check_model_dir(path: Path, load_format: LoadFormat = "auto") -> None:
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise ModelSourceError(f"{config_file} is not valid JSON: {e}") from e
-    architectures = config.get("architectures") or _ARCH_BY_MODEL_TYPE.get(
-        config.get("model_type"), []
-    )
-    if not any(arch in SUPPORTED_ARCHITECTURES for arch in architectures):
+    if architecture_of(config) is None:
+        named = config.get("architectures") or config.get("model_type") or "unknown"
         raise ModelSourceError(
-            f"unsupported architecture {architectures or 'unknown'} in {config_file}; "
+            f"unsupported architecture {named} in {config_file}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     if load_format == "auto" and not list(path.glob("*.safetensors")):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from berth_runtime.models.llama import EXACT_LOGIT_CANDIDATES
+from berth_runtime.models.layers.logits import EXACT_LOGIT_CANDIDATES
 from berth_runtime.server_args import ServerArgs
 from tests.helpers import embedded_model_dir, embedded_tokenizer, needs_bf16
 from tests.integration.runtime.chat_prompts import QUESTIONS, prompt_ids

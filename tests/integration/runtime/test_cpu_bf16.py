@@ -9,7 +9,7 @@ import torch
 
 from berth_runtime.model_executor import model_runner
 from berth_runtime.model_executor.model_runner import ModelRunner, cpu_has_native_bf16
-from berth_runtime.models.llama import _pack, can_prepack_cpu_linears, packed_linear
+from berth_runtime.models.layers.linear import can_prepack_cpu_linears, pack_weight, packed_linear
 from tests.helpers import embedded_tokenizer, needs_bf16
 from tests.integration.runtime.engine_steps import greedy_run, load_runner
 
@@ -71,7 +71,7 @@ def test_a_packed_projections_row_does_not_depend_on_the_rows_beside_it(
         pytest.skip(f"oneDNN prepacking of {dtype} is not available on this CPU")
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
-    packed = _pack(weight)
+    packed = pack_weight(weight)
     x = torch.randn(100, in_features, generator=gen).to(dtype)
     alone = torch.cat([packed_linear(x[i : i + 1], packed) for i in range(100)])
     for rows in (2, 7, 32, 33, 64, 65, 100):

@@ -18,7 +18,7 @@ from berth_runtime.models.gguf_q4 import (
     read_q4_groups,
 )
 from berth_runtime.models.int8_lm_head import Int8LmHead, dequantize_q8, quantize_rows_q8
-from berth_runtime.models.llama import exact_top_logits
+from berth_runtime.models.layers.logits import exact_top_logits
 from berth_runtime.models.loader import default_cache_dir
 from tests.helpers import BUILTIN_GGUF, embedded_gguf_dir, needs_bf16
 from tests.integration.runtime.engine_steps import load_runner

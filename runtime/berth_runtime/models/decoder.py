@@ -1,0 +1,225 @@
+"""CausalLM: the decoder stack every family shares (embedding, layers, final norm, lm_head), its
+forward pass over the paged KV cache, its logits, and the loading of Hugging Face weights.
+
+A family is a small subclass: which layer it builds (`build_layer`), how its checkpoint's names
+map onto Berth's (`remap`), and what it changes at load (`adjust`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from berth_runtime.mem_cache.kv_pool import TokenToKVPool
+from berth_runtime.model_executor.forward_batch import ForwardBatch
+from berth_runtime.models.cpu_weights import CpuWeightPaths
+from berth_runtime.models.int8_lm_head import Int8LmHead
+from berth_runtime.models.layers.attention import Attention
+from berth_runtime.models.layers.linear import linear, packed_linear
+from berth_runtime.models.layers.logits import exact_top_logits
+from berth_runtime.models.layers.moe import SparseMoE
+from berth_runtime.models.layers.norm import RMSNorm
+from berth_runtime.models.layers.rotary import RopeTables, RotaryEmbedding
+
+# Checkpoint projection -> (Berth's fused projection, its part), as in every Llama-like family.
+FUSED_PARTS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm layer: x + attn(norm(x)), then + mlp(norm(...)). `mlp` is a GatedMLP or a
+    SparseMoE (both take the step's `decode_seqs`)."""
+
+    def __init__(self, config, attention: Attention, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = attention
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        rope: RopeTables,
+        kv_pool: TokenToKVPool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the caller, or the next
+        layer's norm, adds the two, so each residual add is fused into a norm."""
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, batch, rope, kv_pool)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden, batch.decode_seqs), residual
+
+
+class CausalLM(CpuWeightPaths, nn.Module):
+    """The decoder stack: `forward` gives final hidden states, `compute_logits` vocab scores."""
+
+    # MoE layers group tokens by expert on the host: no CUDA graph can hold that step.
+    cuda_graphs = True
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        layers = range(config.num_hidden_layers)
+        self.layers = nn.ModuleList(self.build_layer(config, i) for i in layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, max_positions)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.prepacked = False  # set by prepack_cpu_linears
+        self.packed_lm_head: torch.Tensor | None = None
+        self.int8_lm_head: Int8LmHead | None = None  # set by attach_int8_lm_head
+        self.fused_decode_rows = 0  # set by enable_fused_decode
+        self.fused_decode_weights: list[torch.Tensor] = []
+        self.use_cpu_logit_kernels = False  # set by enable_cpu_kernels
+
+    def build_layer(self, config, layer_id: int) -> nn.Module:
+        raise NotImplementedError
+
+    def rebuild_buffers(self, device: torch.device) -> None:
+        """Compute the rotary tables on `device` (a model built on the meta device has none)."""
+        self.rotary.rebuild(device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_pool: TokenToKVPool) -> torch.Tensor:
+        hidden = self.embed(batch.input_ids)
+        rope = self.rotary.tables(batch.positions, hidden.dtype)
+        if batch.is_decode and 0 < batch.decode_seqs <= self.fused_decode_rows:
+            # The same ops as the layers below, dispatched from C++ (see `enable_fused_decode`).
+            attn = self.layers[0].self_attn
+            return torch.ops.berth.decode_layers(
+                hidden,
+                *rope,
+                kv_pool.kv_buffer,
+                batch.out_cache_loc,
+                batch.kv_indices,
+                batch.seq_lens,
+                self.fused_decode_weights,
+                attn.num_heads,
+                attn.num_kv_heads,
+                self.layers[0].mlp.intermediate_size,
+                self.norm.eps,
+                attn.scale,
+            )
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, batch, rope, kv_pool)
+        return self.norm(hidden, residual)[0]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 vocab scores [rows, V]: the lm_head in the model's dtype (or, for small steps,
+        on its 8-bit copy, fp32 models included), then each row's top candidates computed again
+        exactly (see `exact_top_logits`); an fp32 lm_head's scores are exact already."""
+        weight = self.lm_head_weight()
+        head8 = self.int8_lm_head
+        approximate = head8 is not None and hidden.shape[0] <= head8.max_rows
+        if approximate:  # int8 scores, in bf16 or fp32: candidates only
+            logits = head8.scores(hidden)
+        elif self.prepacked:  # the packed copy, or the plain weight beside an 8-bit one
+            head = self.packed_lm_head if self.packed_lm_head is not None else weight
+            logits = packed_linear(hidden, head)
+        else:
+            logits = linear(hidden, weight)
+        if logits.dtype == torch.float32 and not approximate:
+            return logits
+        return exact_top_logits(logits, hidden, weight, self.use_cpu_logit_kernels)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """The output projection [V, hidden] in plain layout (the tied embedding, if tied)."""
+        return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def attention_layers(self) -> list[Attention]:
+        return [m for m in self.modules() if isinstance(m, Attention)]
+
+    def enable_cpu_kernels(self, attention: bool) -> None:
+        """Run every RMSNorm, the exact logits (`exact_top_logits`), and attention when
+        `attention`, on Berth's C++ CPU kernels (`berth_runtime.kernels.cpu`, loaded by the
+        caller)."""
+        self.use_cpu_logit_kernels = True
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.use_cpu_kernel = True
+        for attn in self.attention_layers():
+            attn.paged_attention = torch.ops.berth if attention else None
+
+    def enable_triton_attention(self) -> None:
+        """Run attention on the Triton paged kernels (`kernels.triton_attention`: CUDA, or CPU
+        tensors under Triton's interpreter), which read K/V in place as the CPU kernels do."""
+        from berth_runtime.kernels import triton_attention
+
+        for attn in self.attention_layers():
+            attn.paged_attention = triton_attention
+
+    # --- weights ----------------------------------------------------------------------------
+
+    def remap(self, name: str) -> str:
+        """A checkpoint tensor's name (without `model.`) as Berth's modules name it."""
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face tensors in: q/k/v and gate/up fused, experts stacked, each family's
+        names mapped by `remap`; every parameter must be given."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = self.remap(hf_name.removeprefix("model."))
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                # Tied checkpoints may store the shared matrix under either name.
+                name = "embed_tokens.weight"
+            loaded.add(self._load_one(params, name, hf_name, tensor))
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+
+    def _load_one(
+        self, params: dict[str, nn.Parameter], name: str, hf_name: str, tensor: torch.Tensor
+    ) -> str:
+        """Copy one tensor; returns the parameter it went into."""
+        module_name, experts, expert_part = name.partition(".experts.")
+        if experts:
+            moe = self.get_submodule(module_name)
+            if isinstance(moe, SparseMoE) and moe.load_expert(expert_part, tensor):
+                stacked = "experts_down" if "down_proj" in expert_part else "experts_gate_up"
+                return f"{module_name}.{stacked}"
+        for part, (target, index) in FUSED_PARTS.items():
+            if f".{part}." in name:
+                fused = name.replace(part, target)
+                if fused in params:
+                    self._fused_slice(params[fused], fused, index).copy_(tensor)
+                    return fused
+        if name not in params:
+            raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
+        param = params[name]
+        if param.shape != tensor.shape:
+            raise ValueError(
+                f"weight {hf_name!r} has shape {tuple(tensor.shape)}, the config asks for "
+                f"{tuple(param.shape)}"
+            )
+        offset = getattr(self.get_submodule(name.rpartition(".")[0]), "weight_offset", 0.0)
+        param.data.copy_(tensor + offset if offset else tensor)
+        return name
+
+    def _fused_slice(self, param: torch.Tensor, fused_name: str, index: int) -> torch.Tensor:
+        """The rows of a fused projection's weight (or bias) that part `index` fills."""
+        owner = self.get_submodule(fused_name.rsplit(".", 2)[0])  # the attention or the MLP
+        if isinstance(owner, Attention):
+            sizes = (owner.q_size, owner.kv_size, owner.kv_size)
+        else:
+            sizes = (owner.intermediate_size, owner.intermediate_size)
+        return param.data.narrow(0, sum(sizes[:index]), sizes[index])

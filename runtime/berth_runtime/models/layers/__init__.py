@@ -1,0 +1,1 @@
+"""Layers the model families share: projections, norms, rotary embeddings, attention, MLPs."""

@@ -1,0 +1,47 @@
+"""The architectures Berth serves: a config's `architectures` entry -> the family's module and
+class, importable without torch (the API process checks a model before any weight loads)."""
+
+from __future__ import annotations
+
+import importlib
+
+# `architectures` in config.json -> (module under berth_runtime.models, class).
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+# For configs without `architectures`: model_type -> architecture.
+ARCHITECTURE_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+}
+
+
+def architecture_of(config: dict | object) -> str | None:
+    """The first supported architecture a config (config.json's dict, or a transformers config)
+    names, or None."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    names = list(get("architectures") or [])
+    by_type = ARCHITECTURE_BY_MODEL_TYPE.get(get("model_type") or "")
+    if not names and by_type:
+        names = [by_type]
+    return next((name for name in names if name in ARCHITECTURES), None)
+
+
+def model_class(architecture: str) -> type:
+    """The CausalLM subclass that serves `architecture` (imports torch)."""
+    module, cls = ARCHITECTURES[architecture]
+    return getattr(importlib.import_module(f"berth_runtime.models.{module}"), cls)

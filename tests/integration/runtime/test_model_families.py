@@ -1,0 +1,108 @@
+"""Every family Berth serves, as a user serves it: `berth serve --model DIR --dtype float32` on a
+tiny random-weight checkpoint that transformers wrote (tests/tiny_models.py) gives transformers'
+own greedy tokens, for a prompt prefilled in chunks, then again with that prompt as a cached
+prefix. The MoE family also runs the CUDA path's attention (Triton, interpreted on CPU). In bf16,
+each family stays as close to fp32 as transformers' own bf16 does."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+
+from berth_runtime.model_executor.model_runner import ModelRunner
+from berth_runtime.server_args import ServerArgs
+from berth_runtime.utils import cpu_isa
+from tests.helpers import RunningServer
+from tests.integration.runtime.engine_steps import prefill
+from tests.tiny_models import FAMILIES, hf_greedy, hf_model, tiny_model_dir
+
+CHUNK = 32  # --chunked-prefill-size: the long prompt is prefilled in several chunks
+LONG_PROMPT = [(7919 * i) % 40000 + 100 for i in range(100)]
+FOLLOW_UP = LONG_PROMPT + [(104729 * i) % 40000 + 100 for i in range(12)]
+NUM_TOKENS = 16
+
+# (family, --attention-backend, extra environment)
+CASES = [(family, "auto", {}) for family in FAMILIES] + [
+    ("qwen3-moe", "triton", {"TRITON_INTERPRET": "1"}),
+]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda case: f"{case[0]}-{case[1]}")
+def served(request) -> Iterator[tuple[str, RunningServer]]:
+    family, backend, env = request.param
+    if backend == "triton":
+        pytest.importorskip("triton")
+    server = RunningServer(
+        "--model",
+        tiny_model_dir(family),
+        "--dtype",
+        "float32",
+        "--chunked-prefill-size",
+        str(CHUNK),
+        "--attention-backend",
+        backend,
+        "--device",
+        "cpu",
+        env=env,
+    )
+    try:
+        yield family, server.wait_ready()
+    finally:
+        server.stop()
+
+
+def generate(base_url: str, input_ids: list[int]) -> dict:
+    body = {
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True},
+    }
+    response = httpx.post(f"{base_url}/generate", json=body, timeout=600)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_greedy_tokens_equal_transformers_chunked_then_cached(served) -> None:
+    family, server = served
+    info = httpx.get(f"{server.base_url}/get_server_info", timeout=10).json()
+    assert info["server_args"]["chunked_prefill_size"] == CHUNK
+
+    first = generate(server.base_url, LONG_PROMPT)
+    assert first["output_ids"] == hf_greedy(family, LONG_PROMPT, NUM_TOKENS)
+
+    again = generate(server.base_url, FOLLOW_UP)
+    assert again["meta_info"]["cached_tokens"] >= len(LONG_PROMPT) - CHUNK  # the prefix, reused
+    assert again["output_ids"] == hf_greedy(family, FOLLOW_UP, NUM_TOKENS)
+
+
+def test_the_server_names_its_architecture(served) -> None:
+    family, server = served
+    info = httpx.get(f"{server.base_url}/get_server_info", timeout=10).json()
+    config_class = FAMILIES[family][0].removesuffix("Config")
+    assert info["engine"]["architecture"] == f"{config_class}ForCausalLM"
+
+
+# Berth's bf16 may round differently from transformers' bf16 (fused norms, prepacked oneDNN
+# projections, its own attention kernels), but no worse: its distance from the fp32 reference is
+# held to HF bf16's own, with this much slack (measured on a Zen 4: at most 1.3x).
+BF16_DRIFT_SLACK = 1.5
+
+
+@pytest.mark.skipif(cpu_isa.bf16_problem() is not None, reason="bf16 needs AVX-512 on CPU")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_drifts_from_fp32_no_more_than_transformers_bf16(family: str) -> None:
+    directory = tiny_model_dir(family)
+    runner = ModelRunner(directory, ServerArgs(model=directory, dtype="bfloat16"))
+    prompts = [LONG_PROMPT[:40], LONG_PROMPT[40:90], FOLLOW_UP[-30:]]
+    _, logits = prefill(runner, prompts)
+    ours, theirs = [], []
+    with torch.inference_mode():
+        for prompt, row in zip(prompts, logits):
+            ids = torch.tensor([prompt])
+            exact = hf_model(family, "float32")(ids).logits[0, -1].float()
+            bf16 = hf_model(family, "bfloat16")(ids).logits[0, -1].float()
+            ours.append((row.float() - exact).abs().max().item())
+            theirs.append((bf16 - exact).abs().max().item())
+    assert max(ours) <= BF16_DRIFT_SLACK * max(theirs), (ours, theirs)

@@ -1,0 +1,127 @@
+"""Tiny random-weight models of each family Berth serves, built by transformers itself (2 layers,
+seeded) and saved as Hugging Face directories with the embedded model's tokenizer: real
+checkpoints of each architecture, with no download. Also transformers' own greedy decoding of
+them, the reference Berth must equal."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from berth_runtime.models.dummy_weights import TOKENIZER_FILES
+from tests.helpers import embedded_model_dir
+
+# Shared by every family: the embedded tokenizer's vocabulary and special ids; head dim 64 (one
+# the CPU and Triton kernels are built for); two query heads per KV head (GQA).
+COMMON: dict[str, Any] = {
+    "vocab_size": 49152,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
+    # Far above transformers' 0.02: random logits then have clear leaders, so a greedy token is
+    # never a near-tie that fp32 rounding could flip.
+    "initializer_range": 0.2,
+}
+
+# name -> (transformers config class, its settings beyond COMMON)
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3": (
+        "LlamaConfig",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128,
+            }
+        },
+    ),
+    "qwen3": ("Qwen3Config", {}),
+    "qwen3-yarn": (
+        "Qwen3Config",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 256,
+            }
+        },
+    ),
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],  # one dense layer among the sparse ones
+        },
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    ),
+    "phi3": ("Phi3Config", {"partial_rotary_factor": 0.5, "sliding_window": None}),
+    "olmo2": ("Olmo2Config", {}),
+}
+
+
+@functools.cache
+def tiny_model_dir(family: str) -> str:
+    """The saved directory of `family`'s tiny model (made once per test session)."""
+    import torch
+    import transformers
+
+    config_class, settings = FAMILIES[family]
+    config = getattr(transformers, config_class)(**{**COMMON, **settings})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = Path(tempfile.mkdtemp(prefix=f"berth-tiny-{family}-"))
+    atexit.register(shutil.rmtree, path, True)
+    model.save_pretrained(path)
+    source = Path(embedded_model_dir())
+    for name in TOKENIZER_FILES:
+        if name != "generation_config.json" and (source / name).is_file():
+            shutil.copyfile(source / name, path / name)
+    return str(path)
+
+
+@functools.cache
+def hf_model(family: str, dtype: str = "float32"):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir(family), dtype=getattr(torch, dtype)
+    )
+    return model.eval()
+
+
+def hf_greedy(family: str, input_ids: list[int], num_tokens: int, dtype: str = "float32"):
+    """transformers' argmax decoding with its KV cache, EOS ignored."""
+    import torch
+
+    model = hf_model(family, dtype)
+    out: list[int] = []
+    with torch.inference_mode():
+        result = model(torch.tensor([input_ids]), use_cache=True)
+        for _ in range(num_tokens):
+            token = int(result.logits[0, -1].argmax())
+            out.append(token)
+            result = model(torch.tensor([[token]]), cache=result.past_key_values, use_cache=True)
+    return out
