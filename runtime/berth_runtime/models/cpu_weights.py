@@ -9,6 +9,7 @@ from torch import nn
 from berth_runtime.models.gguf_q4 import Int4Weight
 from berth_runtime.models.int8_lm_head import Int8LmHead
 from berth_runtime.models.layers.linear import pack_weight
+from berth_runtime.models.layers.moe import SparseMoE
 
 
 class CpuWeightPaths:
@@ -43,7 +44,9 @@ class CpuWeightPaths:
         freed = 0
         scratch_size = 0
         dequantized: list[nn.Linear] = []
-        for module in self.modules():
+        for module in list(self.modules()):
+            if isinstance(module, SparseMoE):
+                module.prepack(pack_weight)
             if not isinstance(module, nn.Linear) or module is getattr(self, "lm_head", None):
                 continue
             int4: Int4Weight | None = getattr(module, "berth_int4", None)

@@ -3,11 +3,13 @@ top-k experts, and the experts run grouped, each once over all of its tokens."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from berth_runtime.models.layers.linear import run_linear
+from berth_runtime.models.layers.linear import packed_linear, run_linear
 from berth_runtime.models.layers.mlp import Activation, gated
 
 
@@ -39,6 +41,10 @@ class SparseMoE(nn.Module):
             torch.empty(num_experts, 2 * intermediate_size, hidden_size)
         )
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # Each expert's two weights in oneDNN's packed layout, replacing the stacked ones (see
+        # `prepack`); empty until then.
+        self.packed_gate_up = nn.ParameterList()
+        self.packed_down = nn.ParameterList()
 
     def route(self, x: torch.Tensor, decode_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts [T, k] and their weights [T, k] (in x's dtype), as transformers
@@ -52,8 +58,10 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, decode_seqs: int) -> torch.Tensor:
         experts, weights = self.route(x, decode_seqs)
+        if x.shape[0] == 1:  # single-sequence decode: its k experts, nothing to group
+            return self._one_token(x, experts[0], weights[0])
         # Group the (token, expert) pairs by expert: each expert that has tokens runs once, on
-        # all of them. A decode step of one sequence runs its k experts and no other.
+        # all of them.
         flat = experts.view(-1)
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -66,11 +74,45 @@ class SparseMoE(nn.Module):
             pairs = order[start : start + count]
             start += count
             tokens = pairs // self.top_k
-            gate_up = F.linear(x[tokens], self.experts_gate_up[expert])
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            y = F.linear(gated(gate, up, self.activation), self.experts_down[expert])
+            y = self._expert(x[tokens], expert)
             out.index_add_(0, tokens, y * pair_weights[pairs].unsqueeze(-1))
         return out
+
+    def _one_token(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        # In ascending expert order, as the grouped path (and transformers) add them up.
+        chosen = sorted(zip(experts.tolist(), weights.unbind()), key=lambda pair: pair[0])
+        out = None
+        for expert, weight in chosen:
+            y = self._expert(x, expert) * weight
+            out = y if out is None else out + y
+        assert out is not None
+        return out
+
+    def _expert(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        gate_up = self._project(x, expert, up=True)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self._project(gated(gate, up, self.activation), expert, up=False)
+
+    def _project(self, x: torch.Tensor, expert: int, up: bool) -> torch.Tensor:
+        if self.packed_gate_up:
+            return packed_linear(x, (self.packed_gate_up if up else self.packed_down)[expert])
+        return F.linear(x, (self.experts_gate_up if up else self.experts_down)[expert])
+
+    @torch.inference_mode()
+    def prepack(self, pack: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Give every expert its weights in oneDNN's packed layout (`layers.linear.pack_weight`),
+        freeing the stacked ones: on CPU an expert's projection of a few rows then runs about
+        1.7x faster than F.linear on a slice of the stack (measured on a Zen 4, bf16)."""
+        for expert in range(self.num_experts):
+            self.packed_gate_up.append(
+                nn.Parameter(pack(self.experts_gate_up[expert]), requires_grad=False)
+            )
+            self.packed_down.append(
+                nn.Parameter(pack(self.experts_down[expert]), requires_grad=False)
+            )
+        del self.experts_gate_up, self.experts_down
 
     def load_expert(self, name: str, tensor: torch.Tensor) -> bool:
         """Copy one checkpoint tensor named relative to this layer's `experts.`; False if the name
