@@ -10,7 +10,9 @@ from berth_common.auth import Keys, settle_keys
 from berth_common.dataclass_cli import DataclassCli
 
 # How `tool_choice: auto` reads tool calls in a model's text (entrypoints/tool_calls.py).
-TOOL_CALL_PARSERS = ("hermes", "llama3")
+TOOL_CALL_PARSERS = ("hermes", "llama3", "mistral")
+# How a reasoning model's thinking is told from its answer (entrypoints/reasoning.py).
+REASONING_PARSERS = ("qwen3", "deepseek-r1")
 
 DEFAULT_PORT = 30000
 DEFAULT_SERVED_NAME = "smollm2-135m-instruct"
@@ -149,8 +151,17 @@ class ServerArgs(DataclassCli):
         default=None,
         metadata={
             "help": "How to read tool calls in the model's text when tool_choice is auto: hermes "
-            "(Hermes, Qwen 2.5/3: <tool_call>...</tool_call>) or llama3 (Llama 3.x JSON). "
-            "Unset: auto answers text. tool_choice required or a named function needs none."
+            "(Hermes, Qwen 2.5/3: <tool_call>...</tool_call>), llama3 (Llama 3.x JSON) or "
+            "mistral ([TOOL_CALLS]); none: auto answers text. Unset: the format the model's chat "
+            "template teaches, if any. tool_choice required or a named function needs none."
+        },
+    )
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata={
+            "help": "Split a reasoning model's thinking (<think>...</think>) from its answer: "
+            "qwen3 (Qwen3, QwQ) or deepseek-r1. Chat completions then return it as "
+            "reasoning_content, the Responses API as a reasoning item. Unset: all is content."
         },
     )
     device: Literal["auto", "cpu", "cuda"] = field(
@@ -287,10 +298,15 @@ class ServerArgs(DataclassCli):
             "cuda_graph_max_bs",
         ):
             positive(name, getattr(self, name))
-        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+        if self.tool_call_parser not in (None, "none", *TOOL_CALL_PARSERS):
             raise ValueError(
-                f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)} or none, "
                 f"got {self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(
+                f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
+                f"got {self.reasoning_parser!r}"
             )
         if self.gguf_q4_max_batch is not None and self.gguf_q4_max_batch < 0:
             raise ValueError(f"--gguf-q4-max-batch must be >= 0, got {self.gguf_q4_max_batch}")

@@ -191,6 +191,7 @@ def runtime_args(spec: InferenceServiceSpec) -> list[str]:
         ("--log-level", a.log_level),
         ("--grammar-backend", a.grammar_backend),
         ("--tool-call-parser", a.tool_call_parser),
+        ("--reasoning-parser", a.reasoning_parser),
     ):
         if value is not None:
             args += [flag, str(value)]

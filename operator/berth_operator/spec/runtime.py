@@ -27,7 +27,8 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "priority")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
-TOOL_CALL_PARSERS = ("hermes", "llama3")
+TOOL_CALL_PARSERS = ("hermes", "llama3", "mistral", "none")
+REASONING_PARSERS = ("qwen3", "deepseek-r1")
 
 # Flags the operator renders itself; `runtime.extraArgs` may not repeat or override them.
 MANAGED_FLAGS = (
@@ -99,8 +100,15 @@ class RuntimeArgs:
     )
     tool_call_parser: str | None = enum(
         "How tool calls are read out of the model's text when tool_choice is auto: hermes "
-        "(Hermes, Qwen 2.5/3) or llama3 (Llama 3.x JSON). Unset: auto answers text.",
+        "(Hermes, Qwen 2.5/3), llama3 (Llama 3.x JSON) or mistral ([TOOL_CALLS]); none: auto "
+        "answers text. Unset: the format the model's chat template teaches, if any.",
         TOOL_CALL_PARSERS,
+    )
+    reasoning_parser: str | None = enum(
+        "Split a reasoning model's thinking (<think>...</think>) from its answer: qwen3 (Qwen3, "
+        "QwQ) or deepseek-r1; it is returned as reasoning_content (chat) or a reasoning item "
+        "(Responses API). Unset: all is content.",
+        REASONING_PARSERS,
     )
 
 

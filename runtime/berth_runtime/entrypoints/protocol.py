@@ -310,6 +310,8 @@ class ChatCompletionRequest(SamplingRequest):
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None  # default: auto with tools, none without
     parallel_tool_calls: StrictBool = True
+    # Extra variables for the chat template, e.g. {"enable_thinking": false} for Qwen3.
+    chat_template_kwargs: dict[str, Any] | None = None
     # Refused unless they ask for nothing (see `unsupported`).
     functions: Any = None
     function_call: Any = None
@@ -501,13 +503,16 @@ class ChoiceLogprobs(OpenAIBaseModel):
 class ChatCompletionMessage(OpenAIBaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None  # None when the answer is only tool calls
+    # A reasoning model's thinking (--reasoning-parser), as SGLang and vLLM return it.
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _no_empty_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         out = handler(self)
-        if out.get("tool_calls") is None:
-            out.pop("tool_calls", None)
+        for key in ("tool_calls", "reasoning_content"):
+            if out.get(key) is None:
+                out.pop(key, None)
         return out
 
 
@@ -556,6 +561,7 @@ class DeltaMessage(OpenAIBaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")

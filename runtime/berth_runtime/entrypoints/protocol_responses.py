@@ -102,6 +102,18 @@ class FunctionCallOutputItem(OpenAIBaseModel):
         return _joined_text(output)
 
 
+class ReasoningItem(OpenAIBaseModel):
+    """A reasoning item of an earlier response, given back with its output (as agent SDKs do):
+    accepted, and not shown to the model again (chat templates drop past thinking too)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[Any] = []
+    content: list[Any] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
 def _item_type(item: Any) -> str:
     if isinstance(item, dict):
         return item.get("type", "message")
@@ -111,14 +123,15 @@ def _item_type(item: Any) -> str:
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_type),
 ]
 
 
 def chat_messages(items: list[InputItem]) -> list[ChatMessage]:
     """Input items as chat messages: a function call joins the assistant message before it (or
-    starts one), its output is a `tool` message."""
+    starts one), its output is a `tool` message; a reasoning item is left out."""
     messages: list[ChatMessage] = []
     for item in items:
         if isinstance(item, MessageItem):
@@ -132,7 +145,7 @@ def chat_messages(items: list[InputItem]) -> list[ChatMessage]:
                 last = ChatMessage(role="assistant", content="")
                 messages.append(last)
             last.tool_calls = [*(last.tool_calls or []), call]
-        else:
+        elif isinstance(item, FunctionCallOutputItem):
             messages.append(
                 ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id)
             )
@@ -348,7 +361,22 @@ class OutputFunctionCall(OpenAIBaseModel):
     status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class ReasoningText(OpenAIBaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str = ""
+
+
+class OutputReasoning(OpenAIBaseModel):
+    """A reasoning model's thinking (--reasoning-parser), before its answer."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = []
+    content: list[ReasoningText] = []
+    status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
+
+
+OutputItem = OutputMessage | OutputFunctionCall | OutputReasoning
 
 
 class InputTokensDetails(OpenAIBaseModel):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from functools import partial
 from typing import Any
 
 import jinja2
+import msgspec
 from fastapi import Request
 
 from berth_common.errors import RequestError
@@ -29,6 +31,13 @@ from berth_runtime.entrypoints.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from berth_runtime.entrypoints.reasoning import (
+    REASONING_PARSERS,
+    ReasoningFormat,
+    ReasoningStream,
+    prompt_opens_thinking,
+    split_reasoning,
+)
 from berth_runtime.entrypoints.serving_base import (
     EngineClient,
     OpenAIServingBase,
@@ -43,6 +52,7 @@ from berth_runtime.entrypoints.tool_calls import (
     ParsedCall,
     ToolPlan,
     ToolStream,
+    effective_parser,
     new_call_id,
     read_calls,
 )
@@ -57,10 +67,13 @@ class OpenAIServingChat(OpenAIServingBase[ChatCompletionRequest]):
     def build_inputs(
         self, request: ChatCompletionRequest, raw_request: Request, base_rid: str
     ) -> list[GenerateReqInput]:
+        prompt = chat_prompt_ids(
+            self.tokenizer_manager, request.messages, request.tools, request.chat_template_kwargs
+        )
         return choice_inputs(
             request,
             raw_request,
-            [chat_prompt_ids(self.tokenizer_manager, request.messages, request.tools)],
+            [prompt],
             base_rid,
             sampling_params(request, request.max_new_tokens),
             return_logprob=request.logprobs,
@@ -71,8 +84,9 @@ class OpenAIServingChat(OpenAIServingBase[ChatCompletionRequest]):
         self, request: ChatCompletionRequest, response_id: str, reqs: list[GenerateReqInput]
     ) -> ChatChunker:
         model = self.tokenizer_manager.model_name
-        plan = request.tool_plan(self.tokenizer_manager.args.tool_call_parser)
-        return ChatChunker(response_id, model, len(reqs), request.logprobs, plan)
+        plan = request.tool_plan(tool_call_parser(self.tokenizer_manager))
+        thinking = Thinking.of(self.tokenizer_manager, reqs)
+        return ChatChunker(response_id, model, len(reqs), request.logprobs, plan, thinking)
 
     def build_response(
         self,
@@ -81,10 +95,11 @@ class OpenAIServingChat(OpenAIServingBase[ChatCompletionRequest]):
         reqs: list[GenerateReqInput],
         outputs: list[Output],
     ) -> ChatCompletionResponse:
-        plan = request.tool_plan(self.tokenizer_manager.args.tool_call_parser)
+        plan = request.tool_plan(tool_call_parser(self.tokenizer_manager))
+        thinking = Thinking.of(self.tokenizer_manager, reqs)
         choices = []
         for index, out in enumerate(outputs):
-            message, reason = answer(plan, out)
+            message, reason = answer(plan, out, thinking.split(index, out.text))
             choices.append(
                 ChatCompletionChoice(
                     index=index,
@@ -101,13 +116,71 @@ class OpenAIServingChat(OpenAIServingBase[ChatCompletionRequest]):
         )
 
 
+def tool_call_parser(engine: EngineClient) -> str | None:
+    """The server's tool-call parser: --tool-call-parser's, or the chat template's format."""
+    return effective_parser(engine.args.tool_call_parser, engine.tokenizer.chat_template)
+
+
+# Prompt tokens decoded to see whether the template left a `<think>` open: the generation prompt
+# is the template's last few tokens.
+PROMPT_TAIL_TOKENS = 16
+
+
+class Thinking:
+    """--reasoning-parser for one request: its format and, for each choice, whether the prompt
+    opened the thinking."""
+
+    def __init__(self, fmt: ReasoningFormat | None, opened: list[bool]) -> None:
+        self.fmt = fmt
+        self.opened = opened
+
+    @classmethod
+    def of(cls, engine: EngineClient, reqs: list[GenerateReqInput]) -> Thinking:
+        name = engine.args.reasoning_parser
+        if name is None:
+            return cls(None, [False] * len(reqs))
+        tails = [
+            engine.tokenizer.decode((req.input_ids or [])[-PROMPT_TAIL_TOKENS:]) for req in reqs
+        ]
+        return cls(REASONING_PARSERS[name], [prompt_opens_thinking(tail) for tail in tails])
+
+    def split(self, index: int, text: str) -> tuple[str | None, str]:
+        """A whole choice's (thinking, answer); without a parser, all is the answer."""
+        if self.fmt is None:
+            return None, text
+        reasoning, answer_text = split_reasoning(self.fmt, text, self.opened[index])
+        return reasoning, answer_text or ""
+
+    def streams(self) -> list[ReasoningStream] | None:
+        if self.fmt is None:
+            return None
+        return [ReasoningStream(self.fmt, opened) for opened in self.opened]
+
+
+def reserved_template_kwargs(tokenizer: Any) -> frozenset[str]:
+    """The arguments of `apply_chat_template` itself (the template, tokenizing, padding...):
+    chat_template_kwargs only adds variables for the template, it may not set these."""
+    parameters = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    named = {p.name for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    return frozenset(named | {"messages"})
+
+
 def chat_prompt_ids(
-    engine: EngineClient, messages: list[ChatMessage], tools: list[Tool] | None
+    engine: EngineClient,
+    messages: list[ChatMessage],
+    tools: list[Tool] | None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """The prompt's token ids: the rendered template (with the tool definitions, for a template
-    that shows them) plus the assistant's generation prompt, tokenized without adding special
-    tokens again (the template has them)."""
+    that shows them, and the request's chat_template_kwargs) plus the assistant's generation
+    prompt, tokenized without adding special tokens again (the template has them)."""
     tokenizer = engine.tokenizer
+    template_kwargs = template_kwargs or {}
+    reserved = sorted(reserved_template_kwargs(tokenizer) & set(template_kwargs))
+    if reserved:
+        raise RequestError(
+            f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs"
+        )
     rendered = [template_message(message) for message in messages]
     definitions = [tool.model_dump(exclude_none=True) for tool in tools or []]
     engine.check_prompt_chars(
@@ -120,25 +193,34 @@ def chat_prompt_ids(
             tools=definitions or None,
             add_generation_prompt=True,
             tokenize=False,
+            **template_kwargs,
         )
     except (jinja2.TemplateError, ValueError) as err:
         raise RequestError(f"cannot apply the chat template: {err}", param="messages") from err
     return tokenizer.encode(prompt, add_special_tokens=False)
 
 
-def answer(plan: ToolPlan, out: Output) -> tuple[ChatCompletionMessage, str | None]:
-    """A whole choice's message (its content and tool calls) and its finish reason."""
+def answer(
+    plan: ToolPlan, out: Output, thinking: tuple[str | None, str] | None = None
+) -> tuple[ChatCompletionMessage, str | None]:
+    """A whole choice's message (its thinking, content and tool calls) and its finish reason;
+    `thinking`: the output split into (reasoning, answer) by `Thinking.split`."""
     reason = finish_reason(out)
+    reasoning, text = thinking if thinking is not None else (None, out.text)
+    content = text if text or reasoning is None else None
     if not plan.parses or reason != "stop":
-        return ChatCompletionMessage(content=out.text), reason
-    content, calls = read_calls(plan, out.text)
+        return ChatCompletionMessage(content=content, reasoning_content=reasoning), reason
+    content, calls = read_calls(plan, text)
     if not calls:
-        return ChatCompletionMessage(content=content), reason
+        return ChatCompletionMessage(content=content, reasoning_content=reasoning), reason
     tool_calls = [
         ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
         for c in calls
     ]
-    return ChatCompletionMessage(content=content, tool_calls=tool_calls), calls_finish(plan)
+    message = ChatCompletionMessage(
+        content=content, reasoning_content=reasoning, tool_calls=tool_calls
+    )
+    return message, calls_finish(plan)
 
 
 def calls_finish(plan: ToolPlan) -> str:
@@ -159,12 +241,14 @@ class ChatChunker:
         n_choices: int,
         logprobs: bool,
         plan: ToolPlan | None = None,
+        thinking: Thinking | None = None,
     ) -> None:
         self._chunk = partial(ChatCompletionStreamResponse, id=response_id, model=model)
         self._n_choices = n_choices
         self._logprobs = logprobs
         self._plan = plan if plan is not None and plan.parses else None
         self._tools = [ToolStream(self._plan) for _ in range(n_choices)] if self._plan else []
+        self._thinking = thinking.streams() if thinking is not None else None
 
     def opening(self) -> list[ChatCompletionStreamResponse]:
         role = DeltaMessage(role="assistant", content="")
@@ -174,6 +258,23 @@ class ChatChunker:
         ]
 
     def advance(self, index: int, out: Output) -> list[ChatCompletionStreamResponse]:
+        if self._thinking is None:
+            return self._advance_answer(index, out)
+        # The thinking goes out in deltas of its own; the rest is the answer, as without it.
+        stream = self._thinking[index]
+        reasoning, text = stream.feed(out.text)
+        if out.finish_reason is not None:
+            more_reasoning, more_text = stream.finish()
+            reasoning, text = reasoning + more_reasoning, text + more_text
+        chunks = []
+        if reasoning:
+            delta = DeltaMessage(reasoning_content=reasoning)
+            chunks.append(
+                self._chunk(choices=[ChatCompletionStreamChoice(index=index, delta=delta)])
+            )
+        return chunks + self._advance_answer(index, msgspec.structs.replace(out, text=text))
+
+    def _advance_answer(self, index: int, out: Output) -> list[ChatCompletionStreamResponse]:
         if self._plan is not None:
             return self._advance_tools(index, out)
         logprobs = chat_logprobs(out) if self._logprobs else None

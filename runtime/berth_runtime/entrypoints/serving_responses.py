@@ -38,12 +38,15 @@ from berth_runtime.entrypoints.protocol_responses import (
     OutputItem,
     OutputLogprob,
     OutputMessage,
+    OutputReasoning,
     OutputText,
+    ReasoningText,
     ResponseError,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
 )
+from berth_runtime.entrypoints.reasoning import ReasoningStream
 from berth_runtime.entrypoints.response_store import ResponseStore, StoredResponse
 from berth_runtime.entrypoints.serving_base import (
     SSE_HEADERS,
@@ -58,7 +61,7 @@ from berth_runtime.entrypoints.serving_base import (
     sampling_params,
     usage_info,
 )
-from berth_runtime.entrypoints.serving_chat import chat_prompt_ids
+from berth_runtime.entrypoints.serving_chat import Thinking, chat_prompt_ids, tool_call_parser
 from berth_runtime.entrypoints.tool_calls import ParsedCall, ToolPlan, ToolStream, new_call_id
 from berth_runtime.io_struct import GenerateReqInput, TokenLogprob
 
@@ -86,8 +89,11 @@ class OpenAIServingResponses:
         reqs = await engine.run_tokenizer(
             self._inputs, request, raw_request, conversation, request.rid or response.id
         )
-        plan = request.tool_plan(engine.args.tool_call_parser)
-        builder = ResponseBuilder(response, plan, request.logprobs)
+        plan = request.tool_plan(tool_call_parser(engine))
+        thinking = Thinking.of(engine, reqs).streams()
+        builder = ResponseBuilder(
+            response, plan, request.logprobs, thinking[0] if thinking else None
+        )
         streams = ChoiceStreams(engine, reqs, raw_request, request.stream)
         outputs = await streams.start()
         if request.stream:
@@ -199,14 +205,24 @@ def assistant_message(output: list[OutputItem]) -> ChatMessage:
 class ResponseBuilder:
     """One response's output items, built from its engine outputs, with the events that say so.
 
-    Text goes into one assistant message, opened at its first text. Tool calls are read from the
-    text as chat reads them (`ToolStream`): a call to a function named by `tool_choice` streams its
-    arguments as they are generated; other calls are sent whole when the answer ends.
+    With --reasoning-parser, a reasoning model's thinking comes first, in a `reasoning` item
+    (`response.reasoning_text.delta` events), closed when the answer begins. Text goes into one
+    assistant message, opened at its first text. Tool calls are read from the text as chat reads
+    them (`ToolStream`): a call to a function named by `tool_choice` streams its arguments as they
+    are generated; other calls are sent whole when the answer ends.
     """
 
-    def __init__(self, response: ResponseObject, plan: ToolPlan, logprobs: bool) -> None:
+    def __init__(
+        self,
+        response: ResponseObject,
+        plan: ToolPlan,
+        logprobs: bool,
+        thinking: ReasoningStream | None = None,
+    ) -> None:
         self.response = response
         self._tools = ToolStream(plan) if plan.parses else None
+        self._thinking = thinking
+        self._reasoning: OutputReasoning | None = None
         self._logprobs = logprobs
         self._pending_logprobs: list[OutputLogprob] = []  # of text not sent yet
         self._message: OutputMessage | None = None
@@ -224,13 +240,22 @@ class ResponseBuilder:
         if self._logprobs:
             self._pending_logprobs += output_logprobs(out)
         events: list[Event] = []
+        text = out.text
+        if self._thinking is not None:
+            thought, text = self._thinking.feed(text)
+            if out.finish_reason is not None:
+                more_thought, more_text = self._thinking.finish()
+                thought, text = thought + more_thought, text + more_text
+            events += self._thought(thought)
+            if text:
+                events += self._close_reasoning("completed")
         stream = self._tools
         if stream is None:
-            events += self._text(out.text)
+            events += self._text(text)
         elif stream.call_id is not None:
-            events += self._arguments(stream.feed(out.text), stream)
+            events += self._arguments(stream.feed(text), stream)
         else:
-            events += self._text(stream.feed(out.text))
+            events += self._text(stream.feed(text))
         if out.finish_reason is not None:
             events += self._finish(out)
         return events
@@ -241,6 +266,45 @@ class ResponseBuilder:
         return [self._event("response.failed", response=self._snapshot())]
 
     # --- items ------------------------------------------------------------------------------------
+
+    def _thought(self, delta: str) -> list[Event]:
+        if not delta:
+            return []
+        events = []
+        if self._reasoning is None:
+            self._reasoning = OutputReasoning(id=f"rs_{new_call_id()[5:]}")
+            self._reasoning.content.append(ReasoningText())
+            events.append(self._add(self._reasoning))
+        self._reasoning.content[0].text += delta
+        events.append(
+            self._event(
+                "response.reasoning_text.delta",
+                **self._where(self._reasoning),
+                content_index=0,
+                delta=delta,
+            )
+        )
+        return events
+
+    def _close_reasoning(self, status: str) -> list[Event]:
+        item = self._reasoning
+        if item is None or item.status != "in_progress":
+            return []
+        item.status = status  # type: ignore[assignment]
+        where = self._where(item)
+        return [
+            self._event(
+                "response.reasoning_text.done",
+                **where,
+                content_index=0,
+                text=item.content[0].text,
+            ),
+            self._event(
+                "response.output_item.done",
+                output_index=where["output_index"],
+                item=item.model_dump(mode="json"),
+            ),
+        ]
 
     def _text(self, text: str) -> list[Event]:
         if not text:
@@ -307,6 +371,7 @@ class ResponseBuilder:
         if self._message is None and self._named_call is None and not calls:
             events += self._open_message()  # an empty answer is still a message
         status = "incomplete" if cut else "completed"
+        events += self._close_reasoning(status)
         if self._message is not None:
             events += self._close_message(status)
         if self._named_call is not None:

@@ -7,8 +7,10 @@ back out of a choice's text, whole or while it streams.
 - a named function: the output is constrained to that function's arguments.
 - `auto`: the model decides; a parser (`--tool-call-parser`) recognises calls in its text:
   `hermes` (Hermes, Qwen: `<tool_call>{"name": ..., "arguments": ...}</tool_call>`) or
-  `llama3` (Llama 3.x: `{"name": ..., "parameters": ...}`, calls separated by `;`). Without a
-  parser, `auto` answers text.
+  `llama3` (Llama 3.x: `{"name": ..., "parameters": ...}`, calls separated by `;`) or `mistral`
+  (`[TOOL_CALLS][{"name": ..., "arguments": ...}]`, or the newer `[TOOL_CALLS]name[ARGS]{...}`).
+  Unless `--tool-call-parser` names one (or `none`), it is chosen from the chat template: the
+  format the template teaches the model (`detect_parser`). Without a parser, `auto` answers text.
 - `none`: text, with the tools still shown to the model through the chat template.
 """
 
@@ -25,6 +27,7 @@ from berth_runtime.constrained.spec import GrammarSpec
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 LLAMA3_TAG = "<|python_tag|>"
+MISTRAL_TAG, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 Mode = Literal["none", "auto", "required", "named"]
@@ -119,7 +122,30 @@ def read_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedCall]]
         return _read_hermes(text)
     if plan.parser == "llama3":
         return _read_llama3(text)
+    if plan.parser == "mistral":
+        return _read_mistral(text)
     return text, []
+
+
+def effective_parser(flag: str | None, chat_template: str | None) -> str | None:
+    """The parser a server uses: --tool-call-parser's (`none`: no parser), or, unset, the one
+    its chat template calls for."""
+    if flag is not None:
+        return None if flag == "none" else flag
+    return detect_parser(chat_template)
+
+
+def detect_parser(chat_template: str | None) -> str | None:
+    """The tool-call format a chat template teaches its model, or None: Qwen's and Hermes'
+    `<tool_call>` tags, Mistral's `[TOOL_CALLS]`, Llama 3.1+'s JSON with `parameters`."""
+    template = chat_template or ""
+    if HERMES_START in template:
+        return "hermes"
+    if MISTRAL_TAG in template:
+        return "mistral"
+    if LLAMA3_TAG in template or '"parameters": dictionary of argument name' in template:
+        return "llama3"
+    return None
 
 
 def _is_json(text: str) -> bool:
@@ -171,6 +197,35 @@ def _read_llama3(text: str) -> tuple[str | None, list[ParsedCall]]:
     return None, calls
 
 
+def _read_mistral(text: str) -> tuple[str | None, list[ParsedCall]]:
+    start = text.find(MISTRAL_TAG)
+    if start < 0:
+        return text, []
+    content = text[:start].strip() or None
+    calls: list[ParsedCall] = []
+    for part in text[start:].split(MISTRAL_TAG)[1:]:
+        part = part.strip()
+        if part.startswith("["):  # [{"name": ..., "arguments": {...}}, ...]
+            try:
+                objects = json.loads(part)
+            except ValueError:
+                return text, []
+            if not isinstance(objects, list):
+                return text, []
+            parsed = [_call_from_object(obj, "arguments") for obj in objects]
+        else:  # name[ARGS]{...}
+            name, separator, arguments = part.partition(MISTRAL_ARGS)
+            try:
+                obj = {"name": name.strip(), "arguments": json.loads(arguments)}
+            except ValueError:
+                return text, []
+            parsed = [_call_from_object(obj, "arguments") if separator and name.strip() else None]
+        if not parsed or any(call is None for call in parsed):
+            return text, []
+        calls += [call for call in parsed if call is not None]
+    return (content, calls) if calls else (text, [])
+
+
 def _call_from_json(body: str, arguments_key: str) -> ParsedCall | None:
     try:
         obj = json.loads(body)
@@ -193,9 +248,10 @@ class ToolStream:
     they are complete.
 
     `named` streams its arguments as they are generated. Otherwise text that may begin a call
-    (`required`: all of it; `hermes`: from a `<tool_call>` or a prefix of one at the end;
-    `llama3`: a reply that opens with `{`) is held back until the choice ends, then sent as the
-    calls it parses into, or as content if it does not parse.
+    (`required`: all of it; `hermes` and `mistral`: from their tag, `<tool_call>` or
+    `[TOOL_CALLS]`, or a prefix of it at the end; `llama3`: a reply that opens with `{`) is held
+    back until the choice ends, then sent as the calls it parses into, or as content if it does
+    not parse.
     """
 
     def __init__(self, plan: ToolPlan) -> None:
@@ -219,12 +275,13 @@ class ToolStream:
             return len(text)
         if mode == "required":
             return 0
-        if self.plan.parser == "hermes":
-            start = text.find(HERMES_START)
+        tag = {"hermes": HERMES_START, "mistral": MISTRAL_TAG}.get(self.plan.parser or "")
+        if tag is not None:
+            start = text.find(tag)
             if start >= 0:
                 return start
-            for size in range(min(len(HERMES_START) - 1, len(text)), 0, -1):
-                if HERMES_START.startswith(text[-size:]):
+            for size in range(min(len(tag) - 1, len(text)), 0, -1):
+                if tag.startswith(text[-size:]):
                     return len(text) - size
             return len(text)
         if self.plan.parser == "llama3":

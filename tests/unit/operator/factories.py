@@ -78,6 +78,7 @@ FULL_SPEC: dict[str, Any] = {
             "logLevel": "debug",
             "grammarBackend": "xgrammar",
             "toolCallParser": "hermes",
+            "reasoningParser": "qwen3",
         },
         "gracefulShutdownSeconds": 120,
         "preStopSleepSeconds": 15,

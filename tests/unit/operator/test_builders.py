@@ -206,6 +206,7 @@ def test_full_spec_args_reach_the_runtime_unchanged() -> None:
     assert server.log_level == "debug"
     assert server.grammar_backend == "xgrammar"
     assert server.tool_call_parser == "hermes"
+    assert server.reasoning_parser == "qwen3"
     assert server.graceful_shutdown_timeout == 120
     assert server.random_seed == 7  # from extraArgs
     assert server.tp_size == 1

@@ -12,7 +12,14 @@ from openai import AsyncOpenAI
 from berth_common.errors import RequestError
 from berth_runtime.constrained.grammar import check_grammar
 from berth_runtime.entrypoints.protocol import ChatCompletionRequest
-from berth_runtime.entrypoints.tool_calls import ParsedCall, ToolStream, plan_tools, read_calls
+from berth_runtime.entrypoints.tool_calls import (
+    ParsedCall,
+    ToolStream,
+    detect_parser,
+    effective_parser,
+    plan_tools,
+    read_calls,
+)
 from tests.unit.runtime.fakes import MODEL, FakeTokenizerManager
 
 WEATHER = {
@@ -109,6 +116,55 @@ def test_llama3_calls_with_or_without_the_python_tag():
         [ParsedCall("get_weather", '{"city": "Oslo"}'), ParsedCall("get_time", "{}")],
     )
     assert read_calls(plan, "It is sunny.") == ("It is sunny.", [])
+
+
+def test_mistral_calls_as_a_json_array_or_name_then_args():
+    plan = plan_of([WEATHER, TIME], parser="mistral")
+    array = (
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Nice"}}, '
+        '{"name": "get_time", "arguments": {}}]'
+    )
+    both = [ParsedCall("get_weather", '{"city": "Nice"}'), ParsedCall("get_time", "{}")]
+    assert read_calls(plan, array) == (None, both)
+    # Mistral's newer tokenizers (v11+): [TOOL_CALLS]name[ARGS]{...}, one tag per call.
+    named = '[TOOL_CALLS]get_weather[ARGS]{"city": "Nice"}[TOOL_CALLS]get_time[ARGS]{}'
+    assert read_calls(plan, "Checking. " + named) == ("Checking.", both)
+    for broken in ('[TOOL_CALLS][{"name": "get_weather"', "[TOOL_CALLS]get_weather{}", "Hi."):
+        assert read_calls(plan, broken) == (broken, [])
+
+
+def test_a_mistral_stream_holds_back_from_its_tag():
+    stream = ToolStream(plan_of([WEATHER], parser="mistral"))
+    assert stream.feed("Let me see [TOOL") == "Let me see "
+    assert stream.feed('_CALLS][{"name": "get_weather", "arguments": {"city": "Metz"}}]') == ""
+    assert stream.finish() == ("", [ParsedCall("get_weather", '{"city": "Metz"}')])
+
+
+# Lines of the chat templates of the families, enough to tell their tool-call format.
+QWEN3_TEMPLATE = 'For each call: <tool_call>{"name": <function-name>, "arguments": ...}</tool_call>'
+MISTRAL_TEMPLATE = "{%- if message.tool_calls %}{{- '[TOOL_CALLS][' }}{%- endif %}"
+LLAMA31_TEMPLATE = (
+    'Respond in the format {"name": function name, "parameters": dictionary of argument name '
+    "and its value}."
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "parser"),
+    [
+        (QWEN3_TEMPLATE, "hermes"),
+        (MISTRAL_TEMPLATE, "mistral"),
+        (LLAMA31_TEMPLATE, "llama3"),
+        ("{{ '<|python_tag|>' + tool_call.name }}", "llama3"),
+        ("{% for m in messages %}{{ m.content }}{% endfor %}", None),  # SmolLM2: no tools
+        (None, None),
+    ],
+)
+def test_the_parser_follows_the_chat_template_unless_the_flag_names_one(template, parser):
+    assert detect_parser(template) == parser
+    assert effective_parser(None, template) == parser
+    assert effective_parser("llama3", template) == "llama3"
+    assert effective_parser("none", template) is None
 
 
 def test_a_hermes_stream_sends_text_and_holds_back_what_may_start_a_call():
