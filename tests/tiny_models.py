@@ -78,6 +78,16 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "phi3": ("Phi3Config", {"partial_rotary_factor": 0.5, "sliding_window": None}),
     "olmo2": ("Olmo2Config", {}),
+    # Sliding windows of 24 tokens: the tests' prompts are longer.
+    "mistral-sliding": ("MistralConfig", {"sliding_window": 24}),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "sliding_window": 24,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 64,
+        },
+    ),
 }
 
 

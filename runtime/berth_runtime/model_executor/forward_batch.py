@@ -3,7 +3,7 @@ DecodeLogits, what a decode step hands the sampler."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,6 +36,10 @@ class ForwardBatch:
     query_lens: torch.Tensor | None = None
     # An extend that verifies speculative drafts: its projections take decode's weights.
     verify: bool = False
+    # What sliding-window layers read, by window size: made once per step (see `window`).
+    _windows: dict[tuple[str, int], tuple[torch.Tensor, ...]] = field(
+        default_factory=dict, repr=False
+    )
 
     @property
     def batch_size(self) -> int:
@@ -45,6 +49,36 @@ class ForwardBatch:
     def decode_seqs(self) -> int:
         """The sequences of a step that runs on decode's weights (decode or verify); 0 else."""
         return self.batch_size if self.is_decode or self.verify else 0
+
+    def window(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's last `size` positions: their slots [B, min(L, size)] (rows shorter
+        than that padded with their last slot) and how many there are [B]; what a decode step of
+        a sliding-window layer attends to, through the same kernels as a full one."""
+        key = ("slots", size)
+        if key not in self._windows:
+            length = self.kv_indices.shape[1]
+            starts = (self.seq_lens - size).clamp(min=0)
+            offsets = torch.arange(min(length, size), device=self.kv_indices.device)
+            columns = (starts[:, None] + offsets[None, :]).clamp(max=length - 1)
+            self._windows[key] = (self.kv_indices.gather(1, columns), self.seq_lens - starts)
+        slots, lens = self._windows[key]
+        return slots, lens
+
+    def band_mask(self, size: int) -> torch.Tensor:
+        """[B, 1, Q, L] True where an extend's query may attend in a sliding window of `size`:
+        keys at its position and the `size - 1` before it (cached prefix included)."""
+        key = ("band", size)
+        if key not in self._windows:
+            assert self.query_batch_index is not None and self.query_pos_index is not None
+            max_q = int(self.query_pos_index.max()) + 1
+            device = self.kv_indices.device
+            q_pos = torch.full((self.batch_size, max_q), -1, dtype=torch.long, device=device)
+            q_pos[self.query_batch_index, self.query_pos_index] = self.positions
+            key_pos = torch.arange(self.kv_indices.shape[1], device=device)[None, None, :]
+            mask = (key_pos <= q_pos[..., None]) & (key_pos > q_pos[..., None] - size)
+            mask[:, :, 0] |= q_pos < 0  # padded query rows attend somewhere (dropped after)
+            self._windows[key] = (mask[:, None],)
+        return self._windows[key][0]
 
     @classmethod
     def decode(

@@ -129,18 +129,6 @@ class ModelRunner:
         self.context_len = min(context_length, model_max) if context_length else model_max
         if context_length and context_length > model_max:
             logger.warning("--context-length %d exceeds the model's %d", context_length, model_max)
-        window = sliding_window_of(self.config)
-        if window is not None and self.context_len > window:
-            # Every layer of these families slides: within the window, sliding attention and
-            # full attention are the same, so sequences are kept to it.
-            logger.warning(
-                "%s attends within a sliding window of %d tokens: context length %d -> %d",
-                arch,
-                window,
-                self.context_len,
-                window,
-            )
-            self.context_len = window
         self.vocab_size = int(self.config.vocab_size)
 
         start = time.perf_counter()
@@ -389,15 +377,6 @@ class ModelRunner:
         """fp32 vocab scores [rows, V]; each row's leading candidates are exact (see
         `models.layers.logits.exact_top_logits`)."""
         return self.model.compute_logits(hidden)
-
-
-def sliding_window_of(config: PretrainedConfig) -> int | None:
-    """The sliding window every attention layer keeps to (Mistral 7B v0.1, Phi-3), or None.
-    Qwen2/Qwen3 configs name a window they do not use (`use_sliding_window: false`)."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return None
-    return int(window)
 
 
 @contextlib.contextmanager

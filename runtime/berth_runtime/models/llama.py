@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from berth_runtime.models.decoder import CausalLM, DecoderLayer
-from berth_runtime.models.layers.attention import Attention
+from berth_runtime.models.layers.attention import Attention, layer_window
 from berth_runtime.models.layers.mlp import GatedMLP, activation_of
 
 
@@ -23,4 +23,6 @@ class LlamaForCausalLM(CausalLM):
             bias=bool(getattr(config, "mlp_bias", False)),
             activation=activation_of(config),
         )
-        return DecoderLayer(config, Attention(config, layer_id, qkv_bias=bias), mlp)
+        window = layer_window(config, layer_id)  # Mistral 7B v0.1: every layer slides
+        attention = Attention(config, layer_id, qkv_bias=bias, sliding_window=window)
+        return DecoderLayer(config, attention, mlp)

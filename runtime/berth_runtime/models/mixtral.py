@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from berth_runtime.models.decoder import CausalLM, DecoderLayer
-from berth_runtime.models.layers.attention import Attention
+from berth_runtime.models.layers.attention import Attention, layer_window
 from berth_runtime.models.layers.mlp import activation_of
 from berth_runtime.models.layers.moe import SparseMoE
 
@@ -26,7 +26,8 @@ class MixtralForCausalLM(CausalLM):
             normalize_top_k=True,
             activation=activation_of(config),
         )
-        return DecoderLayer(config, Attention(config, layer_id), moe)
+        attention = Attention(config, layer_id, sliding_window=layer_window(config, layer_id))
+        return DecoderLayer(config, attention, moe)
 
     def remap(self, name: str) -> str:
         name = name.replace(".block_sparse_moe.", ".mlp.")

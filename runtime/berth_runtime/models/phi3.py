@@ -1,12 +1,13 @@
 """Phi-3 and Phi-4-mini: Llama's layout, with q/k/v and gate/up already fused in the checkpoint
-(`qkv_proj`, `gate_up_proj`: loaded as they are) and, on Phi-4-mini, partial rotary."""
+(`qkv_proj`, `gate_up_proj`: loaded as they are), a sliding window in every layer (Phi-3-mini)
+and, on Phi-4-mini, partial rotary."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from berth_runtime.models.decoder import CausalLM, DecoderLayer
-from berth_runtime.models.layers.attention import Attention
+from berth_runtime.models.layers.attention import Attention, layer_window
 from berth_runtime.models.layers.mlp import GatedMLP, activation_of
 
 
@@ -15,4 +16,5 @@ class Phi3ForCausalLM(CausalLM):
         mlp = GatedMLP(
             config.hidden_size, config.intermediate_size, activation=activation_of(config)
         )
-        return DecoderLayer(config, Attention(config, layer_id), mlp)
+        attention = Attention(config, layer_id, sliding_window=layer_window(config, layer_id))
+        return DecoderLayer(config, attention, mlp)

@@ -5,13 +5,14 @@ from __future__ import annotations
 from torch import nn
 
 from berth_runtime.models.decoder import CausalLM, DecoderLayer
-from berth_runtime.models.layers.attention import Attention
+from berth_runtime.models.layers.attention import Attention, layer_window
 from berth_runtime.models.layers.mlp import GatedMLP, activation_of
 
 
 def qwen3_attention(config, layer_id: int) -> Attention:
     bias = bool(getattr(config, "attention_bias", False))
-    return Attention(config, layer_id, qkv_bias=bias, qk_norm="per_head")
+    window = layer_window(config, layer_id)
+    return Attention(config, layer_id, qkv_bias=bias, qk_norm="per_head", sliding_window=window)
 
 
 class Qwen3ForCausalLM(CausalLM):

@@ -1,12 +1,15 @@
 """Every family Berth serves, as a user serves it: `berth serve --model DIR --dtype float32` on a
 tiny random-weight checkpoint that transformers wrote (tests/tiny_models.py) gives transformers'
 own greedy tokens, for a prompt prefilled in chunks, then again with that prompt as a cached
-prefix. The MoE family also runs the CUDA path's attention (Triton, interpreted on CPU). In bf16,
-each family stays as close to fp32 as transformers' own bf16 does."""
+prefix, with sliding windows shorter than the prompts where the family has them. An MoE family and
+a sliding-window one also run the CUDA path's attention (Triton, interpreted on CPU) and PyTorch's
+SDPA. In bf16, each family stays as close to fp32 as transformers' own bf16 does."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -25,13 +28,17 @@ FOLLOW_UP = LONG_PROMPT + [(104729 * i) % 40000 + 100 for i in range(12)]
 NUM_TOKENS = 16
 
 # (family, --attention-backend, extra environment)
+INTERPRETED = {"TRITON_INTERPRET": "1"}
 CASES = [(family, "auto", {}) for family in FAMILIES] + [
-    ("qwen3-moe", "triton", {"TRITON_INTERPRET": "1"}),
+    ("qwen3-moe", "triton", INTERPRETED),
+    ("gemma3", "triton", INTERPRETED),
+    ("gemma3", "torch_native", {}),
+    ("mistral-sliding", "torch_native", {}),
 ]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda case: f"{case[0]}-{case[1]}")
-def served(request) -> Iterator[tuple[str, RunningServer]]:
+def served(request) -> Iterator[tuple[str, str, RunningServer]]:
     family, backend, env = request.param
     if backend == "triton":
         pytest.importorskip("triton")
@@ -49,7 +56,7 @@ def served(request) -> Iterator[tuple[str, RunningServer]]:
         env=env,
     )
     try:
-        yield family, server.wait_ready()
+        yield family, backend, server.wait_ready()
     finally:
         server.stop()
 
@@ -65,7 +72,7 @@ def generate(base_url: str, input_ids: list[int]) -> dict:
 
 
 def test_greedy_tokens_equal_transformers_chunked_then_cached(served) -> None:
-    family, server = served
+    family, _, server = served
     info = httpx.get(f"{server.base_url}/get_server_info", timeout=10).json()
     assert info["server_args"]["chunked_prefill_size"] == CHUNK
 
@@ -77,11 +84,13 @@ def test_greedy_tokens_equal_transformers_chunked_then_cached(served) -> None:
     assert again["output_ids"] == hf_greedy(family, FOLLOW_UP, NUM_TOKENS)
 
 
-def test_the_server_names_its_architecture(served) -> None:
-    family, server = served
+def test_the_server_names_its_architecture_and_backend(served) -> None:
+    family, backend, server = served
     info = httpx.get(f"{server.base_url}/get_server_info", timeout=10).json()
-    config_class = FAMILIES[family][0].removesuffix("Config")
-    assert info["engine"]["architecture"] == f"{config_class}ForCausalLM"
+    config = json.loads((Path(tiny_model_dir(family)) / "config.json").read_text())
+    assert info["engine"]["architecture"] == config["architectures"][0]
+    if backend != "auto":
+        assert info["engine"]["attention_backend"] == backend
 
 
 # Berth's bf16 may round differently from transformers' bf16 (fused norms, prepacked oneDNN

@@ -1,4 +1,4 @@
-"""Which architecture a config names, and the sliding window a runner keeps sequences to."""
+"""Which architecture a config names, and which layers of it slide over a window."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from berth_runtime.model_executor.model_runner import sliding_window_of
+from berth_runtime.models.layers.attention import layer_window
 from berth_runtime.models.registry import SUPPORTED_ARCHITECTURES, architecture_of, model_class
 
 
@@ -26,13 +26,18 @@ def test_the_first_supported_architecture_wins_and_model_type_stands_in() -> Non
 
 
 @pytest.mark.parametrize(
-    ("settings", "window"),
+    ("settings", "windows"),
     [
-        ({"sliding_window": 4096}, 4096),  # Mistral 7B v0.1
-        ({"sliding_window": None}, None),  # Mistral 7B v0.3
-        ({"sliding_window": 32768, "use_sliding_window": False}, None),  # Qwen2/Qwen3
-        ({}, None),  # Llama
+        ({"sliding_window": 4096}, [4096, 4096]),  # Mistral 7B v0.1, Phi-3: every layer
+        ({"sliding_window": None}, [None, None]),  # Mistral 7B v0.3
+        ({"sliding_window": 32768, "use_sliding_window": False}, [None, None]),  # Qwen2
+        (
+            {"sliding_window": 512, "layer_types": ["sliding_attention", "full_attention"]},
+            [512, None],
+        ),
+        ({}, [None, None]),  # Llama
     ],
 )
-def test_the_sliding_window_a_runner_keeps_to(settings: dict, window: int | None) -> None:
-    assert sliding_window_of(SimpleNamespace(**settings)) == window
+def test_the_layers_that_slide(settings: dict, windows: list[int | None]) -> None:
+    config = SimpleNamespace(**settings)
+    assert [layer_window(config, layer) for layer in range(2)] == windows

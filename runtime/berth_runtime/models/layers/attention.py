@@ -1,5 +1,6 @@
 """Self-attention over the paged KV cache: fused q/k/v projection, optional QK-norm, rotary
-embedding, then the backend's paged kernels (Berth's CPU kernels or Triton) or SDPA."""
+embedding, then the backend's paged kernels (Berth's CPU kernels or Triton) or SDPA, over all of
+each sequence or over a sliding window of it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,20 @@ from berth_runtime.model_executor.forward_batch import ForwardBatch
 from berth_runtime.models.layers.linear import run_linear
 from berth_runtime.models.layers.norm import RMSNorm
 from berth_runtime.models.layers.rotary import RopeTables, apply_rope, head_dim_of
+
+
+def layer_window(config, layer_id: int) -> int | None:
+    """The sliding window of layer `layer_id`, or None (it attends to everything): Gemma's
+    `layer_types` interleave sliding and full layers; Mistral 7B v0.1 and Phi-3 slide in every
+    layer; Qwen2/Qwen3 name a window they do not use (`use_sliding_window: false`)."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types:
+        return int(window) if types[layer_id] == "sliding_attention" else None
+    return None if getattr(config, "use_sliding_window", True) is False else int(window)
+
 
 # QK-norm: none, per head over its dims (Qwen3, Gemma 3), or over all heads at once (OLMo 2).
 QKNorm = Literal["none", "per_head", "whole"]
@@ -31,6 +46,8 @@ class Attention(nn.Module):
         qkv_bias: bool = False,
         qk_norm: QKNorm = "none",
         scale: float | None = None,
+        sliding_window: int | None = None,
+        norm_weight_offset: float = 0.0,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -42,11 +59,13 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = scale if scale is not None else self.head_dim**-0.5
+        # Each query attends to its last `sliding_window` positions only (None: all of them).
+        self.sliding_window = sliding_window
         self.qk_norm = qk_norm
         eps = config.rms_norm_eps
         if qk_norm == "per_head":
-            self.q_norm = RMSNorm(self.head_dim, eps)
-            self.k_norm = RMSNorm(self.head_dim, eps)
+            self.q_norm = RMSNorm(self.head_dim, eps, norm_weight_offset)
+            self.k_norm = RMSNorm(self.head_dim, eps, norm_weight_offset)
         elif qk_norm == "whole":
             self.q_norm = RMSNorm(self.q_size, eps)
             self.k_norm = RMSNorm(self.kv_size, eps)
@@ -57,7 +76,7 @@ class Attention(nn.Module):
     @property
     def plain(self) -> bool:
         """Llama's attention exactly: what the fused CPU decode (`decode_layers`) computes."""
-        return self.qk_norm == "none" and self.qkv_proj.bias is None
+        return self.qk_norm == "none" and self.qkv_proj.bias is None and self.sliding_window is None
 
     def _normed_qk(self, qkv: torch.Tensor) -> None:
         """Apply the QK-norm to the query and key heads of qkv [T, heads, D], in place."""
@@ -97,7 +116,9 @@ class Attention(nn.Module):
 
         kv_cache = kv_pool.kv_buffer[self.layer_id]  # [slots, K heads + V heads, D]
         kv_cache.index_copy_(0, batch.out_cache_loc, qkv[:, self.num_heads :])
-        if self.paged_attention is not None:
+        if self.sliding_window is not None:
+            out = self._windowed(q, kv_cache, batch, self.sliding_window)
+        elif self.paged_attention is not None:
             # Reads each sequence's K/V in place through its slots: no gather, no padding; every
             # token computed alone, so that caching and chunking cannot change its result.
             if batch.is_decode:
@@ -113,10 +134,40 @@ class Attention(nn.Module):
                     batch.query_lens,
                     self.scale,
                 )
-            return run_linear(self.o_proj, out.view(num_tokens, self.q_size), batch.decode_seqs)
+        else:
+            out = self._sdpa(q, kv_cache, batch, batch.kv_indices, batch.attn_mask)
+        return run_linear(self.o_proj, out.reshape(num_tokens, self.q_size), batch.decode_seqs)
+
+    def _windowed(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, window: int
+    ) -> torch.Tensor:
+        """Attention over each query's last `window` positions (itself included). A decode
+        step reads the window's slots alone (`ForwardBatch.window`), on the paged kernels where
+        they run; an extend gathers its sequences' K/V and masks a band (`band_mask`)."""
+        kv_indices, lens = batch.window(window)
+        if batch.is_decode:
+            if self.paged_attention is not None:
+                return self.paged_attention.decode_attention(
+                    q, kv_cache, kv_indices, lens, self.scale
+                )
+            key_pos = torch.arange(kv_indices.shape[1], device=q.device)
+            mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]
+            return self._sdpa(q, kv_cache, batch, kv_indices, mask)
+        return self._sdpa(q, kv_cache, batch, batch.kv_indices, batch.band_mask(window))
+
+    def _sdpa(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        batch: ForwardBatch,
+        kv_indices: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """PyTorch's SDPA over the K/V of `kv_indices` [B, L] gathered from the pool, `mask`
+        [B, 1, Q, L] (True: may attend); returns [T, H, D]."""
         # index_select on the flat slot axis is several times faster than advanced indexing.
-        flat = batch.kv_indices.view(-1)
-        shape = (batch.batch_size, batch.kv_indices.shape[1], 2 * self.num_kv_heads, -1)
+        flat = kv_indices.reshape(-1)
+        shape = (batch.batch_size, kv_indices.shape[1], 2 * self.num_kv_heads, -1)
         gathered = kv_cache.index_select(0, flat).view(shape)
         keys = gathered[:, :, : self.num_kv_heads].transpose(1, 2)  # [B, Hkv, L, D]
         values = gathered[:, :, self.num_kv_heads :].transpose(1, 2)
@@ -127,7 +178,8 @@ class Attention(nn.Module):
             # the same result, about a quarter less time at batch 32.
             queries = q.reshape(batch.batch_size, self.num_kv_heads, -1, self.head_dim)
         else:
-            max_q = batch.attn_mask.shape[2]
+            assert mask is not None
+            max_q = mask.shape[2]
             padded = q.new_zeros(batch.batch_size, max_q, self.num_heads, self.head_dim)
             padded[batch.query_batch_index, batch.query_pos_index] = q
             queries = padded.transpose(1, 2)  # [B, H, Q, D]
@@ -135,13 +187,10 @@ class Attention(nn.Module):
             queries,
             keys,
             values,
-            attn_mask=batch.attn_mask,
+            attn_mask=mask,
             scale=self.scale,
             enable_gqa=not batch.is_decode,
         )
         if batch.is_decode:
-            out = out.reshape(num_tokens, self.q_size)
-        else:
-            out = out.transpose(1, 2)[batch.query_batch_index, batch.query_pos_index]
-            out = out.reshape(num_tokens, self.q_size)
-        return run_linear(self.o_proj, out, batch.decode_seqs)
+            return out.reshape(q.shape)
+        return out.transpose(1, 2)[batch.query_batch_index, batch.query_pos_index]
