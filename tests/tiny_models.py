@@ -80,6 +80,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "olmo2": ("Olmo2Config", {}),
     # Sliding windows of 24 tokens: the tests' prompts are longer.
     "mistral-sliding": ("MistralConfig", {"sliding_window": 24}),
+    # Soft-capped attention scores and final logits: the scores' cap far below Gemma 2's 50, so
+    # that it changes which tokens win.
+    "gemma2": (
+        "Gemma2Config",
+        {"sliding_window": 24, "query_pre_attn_scalar": 64, "attn_logit_softcapping": 1.0},
+    ),
     "gemma3": (
         "Gemma3TextConfig",
         {

@@ -64,10 +64,11 @@ class ForwardBatch:
         slots, lens = self._windows[key]
         return slots, lens
 
-    def band_mask(self, size: int) -> torch.Tensor:
+    def band_mask(self, size: int | None) -> torch.Tensor:
         """[B, 1, Q, L] True where an extend's query may attend in a sliding window of `size`:
-        keys at its position and the `size - 1` before it (cached prefix included)."""
-        key = ("band", size)
+        keys at its position and the `size - 1` before it (cached prefix included); None: every
+        key up to its position (causal)."""
+        key = ("band", size or 0)
         if key not in self._windows:
             assert self.query_batch_index is not None and self.query_pos_index is not None
             max_q = int(self.query_pos_index.max()) + 1
@@ -75,7 +76,9 @@ class ForwardBatch:
             q_pos = torch.full((self.batch_size, max_q), -1, dtype=torch.long, device=device)
             q_pos[self.query_batch_index, self.query_pos_index] = self.positions
             key_pos = torch.arange(self.kv_indices.shape[1], device=device)[None, None, :]
-            mask = (key_pos <= q_pos[..., None]) & (key_pos > q_pos[..., None] - size)
+            mask = key_pos <= q_pos[..., None]
+            if size is not None:
+                mask &= key_pos > q_pos[..., None] - size
             mask[:, :, 0] |= q_pos < 0  # padded query rows attend somewhere (dropped after)
             self._windows[key] = (mask[:, None],)
         return self._windows[key][0]

@@ -82,6 +82,8 @@ class CausalLM(CpuWeightPaths, nn.Module):
         self.fused_decode_rows = 0  # set by enable_fused_decode
         self.fused_decode_weights: list[torch.Tensor] = []
         self.use_cpu_logit_kernels = False  # set by enable_cpu_kernels
+        # Gemma 2: vocab scores pass through cap * tanh(score / cap).
+        self.final_logit_softcap: float | None = getattr(config, "final_logit_softcapping", None)
 
     def build_layer(self, config, layer_id: int) -> nn.Module:
         raise NotImplementedError
@@ -134,9 +136,12 @@ class CausalLM(CpuWeightPaths, nn.Module):
             logits = packed_linear(hidden, head)
         else:
             logits = linear(hidden, weight)
-        if logits.dtype == torch.float32 and not approximate:
-            return logits
-        return exact_top_logits(logits, hidden, weight, self.use_cpu_logit_kernels)
+        if logits.dtype != torch.float32 or approximate:
+            logits = exact_top_logits(logits, hidden, weight, self.use_cpu_logit_kernels)
+        if self.final_logit_softcap:
+            cap = self.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def lm_head_weight(self) -> torch.Tensor:
         """The output projection [V, hidden] in plain layout (the tied embedding, if tied)."""

@@ -15,6 +15,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
@@ -28,6 +29,7 @@ ARCHITECTURE_BY_MODEL_TYPE = {
     "mixtral": "MixtralForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
 

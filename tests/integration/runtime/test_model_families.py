@@ -115,3 +115,15 @@ def test_bf16_drifts_from_fp32_no_more_than_transformers_bf16(family: str) -> No
             ours.append((row.float() - exact).abs().max().item())
             theirs.append((bf16 - exact).abs().max().item())
     assert max(ours) <= BF16_DRIFT_SLACK * max(theirs), (ours, theirs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_scores_equal_transformers(family: str) -> None:
+    """Not just the winners: every vocabulary score of a prompt's last token, soft-capped where
+    the family caps them (Gemma 2), equals transformers' to fp32 rounding."""
+    directory = tiny_model_dir(family)
+    runner = ModelRunner(directory, ServerArgs(model=directory, dtype="float32"))
+    _, logits = prefill(runner, [LONG_PROMPT])
+    with torch.inference_mode():
+        expected = hf_model(family, "float32")(torch.tensor([LONG_PROMPT])).logits[0, -1]
+    torch.testing.assert_close(logits[0], expected.float(), atol=2e-3, rtol=1e-4)

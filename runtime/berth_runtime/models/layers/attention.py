@@ -47,6 +47,7 @@ class Attention(nn.Module):
         qk_norm: QKNorm = "none",
         scale: float | None = None,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
         norm_weight_offset: float = 0.0,
     ) -> None:
         super().__init__()
@@ -61,6 +62,9 @@ class Attention(nn.Module):
         self.scale = scale if scale is not None else self.head_dim**-0.5
         # Each query attends to its last `sliding_window` positions only (None: all of them).
         self.sliding_window = sliding_window
+        # Scores pass through cap * tanh(score / cap) before the softmax (Gemma 2): no fused
+        # kernel computes that, so such a layer always attends through `_sdpa`'s eager form.
+        self.logit_softcap = logit_softcap
         self.qk_norm = qk_norm
         eps = config.rms_norm_eps
         if qk_norm == "per_head":
@@ -76,7 +80,12 @@ class Attention(nn.Module):
     @property
     def plain(self) -> bool:
         """Llama's attention exactly: what the fused CPU decode (`decode_layers`) computes."""
-        return self.qk_norm == "none" and self.qkv_proj.bias is None and self.sliding_window is None
+        return (
+            self.qk_norm == "none"
+            and self.qkv_proj.bias is None
+            and self.sliding_window is None
+            and self.logit_softcap is None
+        )
 
     def _normed_qk(self, qkv: torch.Tensor) -> None:
         """Apply the QK-norm to the query and key heads of qkv [T, heads, D], in place."""
@@ -118,6 +127,8 @@ class Attention(nn.Module):
         kv_cache.index_copy_(0, batch.out_cache_loc, qkv[:, self.num_heads :])
         if self.sliding_window is not None:
             out = self._windowed(q, kv_cache, batch, self.sliding_window)
+        elif self.logit_softcap is not None:
+            out = self._capped(q, kv_cache, batch)
         elif self.paged_attention is not None:
             # Reads each sequence's K/V in place through its slots: no gather, no padding; every
             # token computed alone, so that caching and chunking cannot change its result.
@@ -146,7 +157,7 @@ class Attention(nn.Module):
         they run; an extend gathers its sequences' K/V and masks a band (`band_mask`)."""
         kv_indices, lens = batch.window(window)
         if batch.is_decode:
-            if self.paged_attention is not None:
+            if self.paged_attention is not None and self.logit_softcap is None:
                 return self.paged_attention.decode_attention(
                     q, kv_cache, kv_indices, lens, self.scale
                 )
@@ -154,6 +165,15 @@ class Attention(nn.Module):
             mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]
             return self._sdpa(q, kv_cache, batch, kv_indices, mask)
         return self._sdpa(q, kv_cache, batch, batch.kv_indices, batch.band_mask(window))
+
+    def _capped(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Full attention with soft-capped scores: SDPA's eager form over a causal mask."""
+        if batch.is_decode:
+            key_pos = torch.arange(batch.kv_indices.shape[1], device=q.device)
+            mask = (key_pos[None, :] < batch.seq_lens[:, None])[:, None, None, :]
+        else:
+            mask = batch.band_mask(None)
+        return self._sdpa(q, kv_cache, batch, batch.kv_indices, mask)
 
     def _sdpa(
         self,
@@ -183,14 +203,40 @@ class Attention(nn.Module):
             padded = q.new_zeros(batch.batch_size, max_q, self.num_heads, self.head_dim)
             padded[batch.query_batch_index, batch.query_pos_index] = q
             queries = padded.transpose(1, 2)  # [B, H, Q, D]
-        out = F.scaled_dot_product_attention(
-            queries,
-            keys,
-            values,
-            attn_mask=mask,
-            scale=self.scale,
-            enable_gqa=not batch.is_decode,
-        )
+        if self.logit_softcap is not None:
+            out = self._eager(queries, keys, values, mask, batch.is_decode)
+        else:
+            out = F.scaled_dot_product_attention(
+                queries,
+                keys,
+                values,
+                attn_mask=mask,
+                scale=self.scale,
+                enable_gqa=not batch.is_decode,
+            )
         if batch.is_decode:
             return out.reshape(q.shape)
         return out.transpose(1, 2)[batch.query_batch_index, batch.query_pos_index]
+
+    def _eager(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+        folded: bool,
+    ) -> torch.Tensor:
+        """softmax(cap * tanh(q k^T * scale / cap), masked) v, as transformers' eager attention
+        computes it (softmax in fp32). `folded`: decode's queries [B, Hkv, H/Hkv, D] already sit
+        with their KV head; else [B, H, Q, D], whose K/V heads are repeated to match."""
+        assert self.logit_softcap is not None
+        if not folded:
+            groups = self.num_heads // self.num_kv_heads
+            keys = keys.repeat_interleave(groups, dim=1)
+            values = values.repeat_interleave(groups, dim=1)
+        scores = torch.matmul(queries, keys.transpose(2, 3)) * self.scale
+        scores = torch.tanh(scores / self.logit_softcap) * self.logit_softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(queries.dtype)
+        return torch.matmul(weights, values)
