@@ -86,13 +86,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "Gemma2Config",
         {"sliding_window": 24, "query_pre_attn_scalar": 64, "attn_logit_softcapping": 1.0},
     ),
+    # Six layers, Gemma 3's pattern: five slide over 24 tokens, the sixth attends to all.
     "gemma3": (
         "Gemma3TextConfig",
-        {
-            "sliding_window": 24,
-            "layer_types": ["sliding_attention", "full_attention"],
-            "query_pre_attn_scalar": 64,
-        },
+        {"num_hidden_layers": 6, "sliding_window": 24, "query_pre_attn_scalar": 64},
     ),
 }
 
@@ -141,3 +138,57 @@ def hf_greedy(family: str, input_ids: list[int], num_tokens: int, dtype: str = "
             out.append(token)
             result = model(torch.tensor([[token]]), cache=result.past_key_values, use_cache=True)
     return out
+
+
+# Families whose tiny model is also written as a GGUF file: llama.cpp's architecture name.
+GGUF_ARCHITECTURES = {"qwen3": "qwen3", "gemma3": "gemma3"}
+
+
+@functools.cache
+def tiny_gguf(family: str) -> str:
+    """`family`'s tiny model as a GGUF file with F32 tensors, written by the `gguf` package as
+    llama.cpp's converter lays it out (tensor names from gguf's own map; Gemma's norms stored as
+    1 + w), with the embedded model's tokenizer: a GGUF of that architecture, no download."""
+    import gguf
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.helpers import embedded_gguf_dir
+
+    arch = GGUF_ARCHITECTURES[family]
+    config = hf_model(family).config
+    weights = load_file(str(Path(tiny_model_dir(family)) / "model.safetensors"))
+    path = Path(tempfile.mkdtemp(prefix=f"berth-tiny-gguf-{family}-")) / f"tiny-{family}.gguf"
+    atexit.register(shutil.rmtree, path.parent, True)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = config.rope_parameters
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+    if family == "gemma3":  # llama.cpp's Gemma 3: one global layer in six (none to write)
+        writer.add_sliding_window(config.sliding_window)
+    source = gguf.GGUFReader(str(embedded_gguf_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    for name, field in source.fields.items():
+        if name.startswith("tokenizer."):
+            value_type = field.types[0]
+            sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), value_type, sub_type)
+    model_arch = getattr(gguf.MODEL_ARCH, arch.upper())
+    names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
+    for hf_name, tensor in weights.items():
+        base, _, suffix = hf_name.rpartition(".")
+        if family == "gemma3" and base.endswith("norm"):
+            tensor = tensor + 1  # llama.cpp stores Gemma's (1 + w)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.to(torch.float32).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)

@@ -132,7 +132,7 @@ def convert_gguf(gguf: Path, cache_root: Path) -> Path:
     tmp.chmod(0o755)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+            str(gguf.parent), gguf_file=gguf.name, config=gguf_config(gguf), dtype=torch.float32
         )
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         config = model.config
@@ -156,3 +156,23 @@ def convert_gguf(gguf: Path, cache_root: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def gguf_config(gguf_path: Path):
+    """transformers' config of a GGUF file, with the head size the file states: transformers
+    reads `attention.key_length` for some architectures only (not Qwen3's), and would otherwise
+    take hidden size / heads, or the config class's default. Gemma's queries are scaled as
+    llama.cpp scales them."""
+    import gguf
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    reader = gguf.GGUFReader(str(gguf_path))
+    arch = reader.fields["general.architecture"].contents()
+    field = reader.fields.get(f"{arch}.attention.key_length")
+    if field is not None:
+        config.head_dim = int(field.contents())
+        if arch in ("gemma2", "gemma3"):
+            # llama.cpp scales Gemma's queries by the head size (no query_pre_attn_scalar key).
+            config.query_pre_attn_scalar = config.head_dim
+    return config

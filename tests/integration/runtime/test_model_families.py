@@ -20,7 +20,14 @@ from berth_runtime.server_args import ServerArgs
 from berth_runtime.utils import cpu_isa
 from tests.helpers import RunningServer
 from tests.integration.runtime.engine_steps import prefill
-from tests.tiny_models import FAMILIES, hf_greedy, hf_model, tiny_model_dir
+from tests.tiny_models import (
+    FAMILIES,
+    GGUF_ARCHITECTURES,
+    hf_greedy,
+    hf_model,
+    tiny_gguf,
+    tiny_model_dir,
+)
 
 CHUNK = 32  # --chunked-prefill-size: the long prompt is prefilled in several chunks
 LONG_PROMPT = [(7919 * i) % 40000 + 100 for i in range(100)]
@@ -127,3 +134,28 @@ def test_fp32_scores_equal_transformers(family: str) -> None:
     with torch.inference_mode():
         expected = hf_model(family, "float32")(torch.tensor([LONG_PROMPT])).logits[0, -1]
     torch.testing.assert_close(logits[0], expected.float(), atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", GGUF_ARCHITECTURES)
+def test_a_gguf_of_the_family_serves_transformers_greedy_tokens(family: str, tmp_path) -> None:
+    """`berth serve --model FILE.gguf`: a GGUF written by the `gguf` package (F32 tensors, as
+    llama.cpp's converter names them) is converted once and served as the family it is."""
+    server = RunningServer(
+        "--model",
+        tiny_gguf(family),
+        "--model-cache-dir",
+        str(tmp_path),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+    )
+    try:
+        server.wait_ready()
+        info = httpx.get(f"{server.base_url}/get_server_info", timeout=10).json()
+        config = json.loads((Path(tiny_model_dir(family)) / "config.json").read_text())
+        assert info["engine"]["architecture"] == config["architectures"][0]
+        got = generate(server.base_url, LONG_PROMPT)["output_ids"]
+        assert got == hf_greedy(family, LONG_PROMPT, NUM_TOKENS)
+    finally:
+        server.stop()
