@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 from functools import partial
@@ -139,10 +140,9 @@ class Thinking:
         name = engine.args.reasoning_parser
         if name is None:
             return cls(None, [False] * len(reqs))
-        tails = [
-            engine.tokenizer.decode((req.input_ids or [])[-PROMPT_TAIL_TOKENS:]) for req in reqs
-        ]
-        return cls(REASONING_PARSERS[name], [prompt_opens_thinking(tail) for tail in tails])
+        # Every choice of a chat request has the same prompt: decode its tail once.
+        tail = engine.tokenizer.decode((reqs[0].input_ids or [])[-PROMPT_TAIL_TOKENS:])
+        return cls(REASONING_PARSERS[name], [prompt_opens_thinking(tail)] * len(reqs))
 
     def split(self, index: int, text: str) -> tuple[str | None, str]:
         """A whole choice's (thinking, answer); without a parser, all is the answer."""
@@ -157,10 +157,11 @@ class Thinking:
         return [ReasoningStream(self.fmt, opened) for opened in self.opened]
 
 
-def reserved_template_kwargs(tokenizer: Any) -> frozenset[str]:
+@functools.cache
+def reserved_template_kwargs(tokenizer_class: type) -> frozenset[str]:
     """The arguments of `apply_chat_template` itself (the template, tokenizing, padding...):
     chat_template_kwargs only adds variables for the template, it may not set these."""
-    parameters = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    parameters = inspect.signature(tokenizer_class.apply_chat_template).parameters.values()
     named = {p.name for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD}
     return frozenset(named | {"messages"})
 
@@ -176,7 +177,7 @@ def chat_prompt_ids(
     prompt, tokenized without adding special tokens again (the template has them)."""
     tokenizer = engine.tokenizer
     template_kwargs = template_kwargs or {}
-    reserved = sorted(reserved_template_kwargs(tokenizer) & set(template_kwargs))
+    reserved = sorted(reserved_template_kwargs(type(tokenizer)) & set(template_kwargs))
     if reserved:
         raise RequestError(
             f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs"
