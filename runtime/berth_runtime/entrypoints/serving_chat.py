@@ -49,14 +49,9 @@ from berth_runtime.entrypoints.serving_base import (
     sampling_params,
     usage_info,
 )
-from berth_runtime.entrypoints.tool_calls import (
-    ParsedCall,
-    ToolPlan,
-    ToolStream,
-    effective_parser,
-    new_call_id,
-    read_calls,
-)
+from berth_runtime.entrypoints.tool_calls import ToolPlan, effective_parser
+from berth_runtime.entrypoints.tool_parsers import read_calls
+from berth_runtime.entrypoints.tool_stream import ToolStream, new_call_id
 from berth_runtime.io_struct import GenerateReqInput
 
 
@@ -296,31 +291,19 @@ class ChatChunker:
         return self._chunk(choices=[], usage=usage)
 
     def _advance_tools(self, index: int, out: Output) -> list[ChatCompletionStreamResponse]:
-        """A choice whose text may hold tool calls: content as it can be sent, a named call's
-        arguments as they are generated, other calls whole once the choice ends."""
+        """A choice whose text may hold tool calls: content as it can be sent, then each call's
+        id and name, and its arguments as they are written."""
         stream = self._tools[index]
         logprobs = chat_logprobs(out) if self._logprobs else None
-        deltas: list[DeltaMessage] = []
-        ready = stream.feed(out.text)
-        if stream.call_id is not None:  # a named function: its arguments stream
-            if not stream.started:  # the first part names the call
-                stream.started = True
-                deltas.append(call_delta(0, ready, stream.call_id, stream.plan.function))
-            elif ready:
-                deltas.append(call_delta(0, ready))
-        elif ready:
-            deltas.append(DeltaMessage(content=ready))
+        content, pieces = stream.feed(out.text)
         reason = finish_reason(out)
-        calls: list[ParsedCall] = []
         if reason is not None:
-            rest, calls = stream.finish() if reason == "stop" else (stream.flush(), [])
-            if rest:
-                deltas.append(DeltaMessage(content=rest))
-            deltas += [
-                call_delta(i, c.arguments, new_call_id(), c.name) for i, c in enumerate(calls)
-            ]
-            if stream.call_id is not None and reason == "stop" or calls:
+            rest, more = stream.end(clean=reason == "stop")
+            content, pieces = content + rest, pieces + more
+            if reason == "stop" and stream.calls_begun:
                 reason = calls_finish(stream.plan)
+        deltas = [DeltaMessage(content=content)] if content else []
+        deltas += [call_delta(p.index, p.arguments, p.call_id, p.name) for p in pieces]
         chunks = []
         for position, delta in enumerate(deltas):
             lp = logprobs if position == 0 else None

@@ -62,7 +62,8 @@ from berth_runtime.entrypoints.serving_base import (
     usage_info,
 )
 from berth_runtime.entrypoints.serving_chat import Thinking, chat_prompt_ids, tool_call_parser
-from berth_runtime.entrypoints.tool_calls import ParsedCall, ToolPlan, ToolStream, new_call_id
+from berth_runtime.entrypoints.tool_calls import ToolPlan
+from berth_runtime.entrypoints.tool_stream import CallPiece, ToolStream, new_call_id
 from berth_runtime.io_struct import GenerateReqInput, TokenLogprob
 
 Event = dict[str, Any]
@@ -208,8 +209,8 @@ class ResponseBuilder:
     With --reasoning-parser, a reasoning model's thinking comes first, in a `reasoning` item
     (`response.reasoning_text.delta` events), closed when the answer begins. Text goes into one
     assistant message, opened at its first text. Tool calls are read from the text as chat reads
-    them (`ToolStream`): a call to a function named by `tool_choice` streams its arguments as they
-    are generated; other calls are sent whole when the answer ends.
+    them (`ToolStream`): each call is added once its name is written (closing the message before
+    it), and its arguments stream as they are generated.
     """
 
     def __init__(
@@ -226,7 +227,7 @@ class ResponseBuilder:
         self._logprobs = logprobs
         self._pending_logprobs: list[OutputLogprob] = []  # of text not sent yet
         self._message: OutputMessage | None = None
-        self._named_call: OutputFunctionCall | None = None
+        self._calls: list[OutputFunctionCall] = []
         self._sequence = 0
 
     def opening(self) -> list[Event]:
@@ -249,13 +250,11 @@ class ResponseBuilder:
             events += self._thought(thought)
             if text:
                 events += self._close_reasoning("completed")
-        stream = self._tools
-        if stream is None:
+        if self._tools is None:
             events += self._text(text)
-        elif stream.call_id is not None:
-            events += self._arguments(stream.feed(text), stream)
         else:
-            events += self._text(stream.feed(text))
+            content, pieces = self._tools.feed(text)
+            events += self._text(content) + self._call_pieces(pieces)
         if out.finish_reason is not None:
             events += self._finish(out)
         return events
@@ -341,48 +340,44 @@ class ResponseBuilder:
             ),
         ]
 
-    def _arguments(self, delta: str, stream: ToolStream) -> list[Event]:
+    def _call_pieces(self, pieces: list[CallPiece]) -> list[Event]:
         events = []
-        if self._named_call is None:
-            assert stream.call_id is not None and stream.plan.function is not None
-            self._named_call = OutputFunctionCall(
-                id=f"fc_{stream.call_id[5:]}", call_id=stream.call_id, name=stream.plan.function
-            )
-            events.append(self._add(self._named_call))
-        if delta:
-            self._named_call.arguments += delta
-            events.append(
-                self._event(
-                    "response.function_call_arguments.delta",
-                    **self._where(self._named_call),
-                    delta=delta,
+        for piece in pieces:
+            if piece.call_id is not None:
+                if self._message is not None and self._message.status == "in_progress":
+                    events += self._close_message("completed")
+                assert piece.name is not None
+                item = OutputFunctionCall(
+                    id=f"fc_{piece.call_id[5:]}", call_id=piece.call_id, name=piece.name
                 )
-            )
+                self._calls.append(item)
+                events.append(self._add(item))
+            item = self._calls[piece.index]
+            if piece.arguments:
+                item.arguments += piece.arguments
+                events.append(
+                    self._event(
+                        "response.function_call_arguments.delta",
+                        **self._where(item),
+                        delta=piece.arguments,
+                    )
+                )
         return events
 
     def _finish(self, out: Output) -> list[Event]:
         cut = out.finish_reason is not None and out.finish_reason.type == "length"
         events: list[Event] = []
-        calls: list[ParsedCall] = []
-        stream = self._tools
-        if stream is not None:
-            rest, calls = stream.finish() if not cut else (stream.flush(), [])
-            events += self._text(rest)
-        if self._message is None and self._named_call is None and not calls:
+        if self._tools is not None:
+            rest, pieces = self._tools.end(clean=not cut)
+            events += self._text(rest) + self._call_pieces(pieces)
+        if self._message is None and not self._calls:
             events += self._open_message()  # an empty answer is still a message
         status = "incomplete" if cut else "completed"
         events += self._close_reasoning(status)
-        if self._message is not None:
+        if self._message is not None and self._message.status == "in_progress":
             events += self._close_message(status)
-        if self._named_call is not None:
-            events += self._close_call(self._named_call, status)
-        for call in calls:
-            item = OutputFunctionCall(
-                id=f"fc_{new_call_id()[5:]}", call_id=new_call_id(), name=call.name
-            )
-            events.append(self._add(item))
-            events += self._arguments_whole(item, call.arguments)
-            events += self._close_call(item, "completed")
+        for item in self._calls:
+            events += self._close_call(item, status)
         usage = usage_info([out], 1)
         self.response.usage = ResponseUsage(
             input_tokens=usage.prompt_tokens,
@@ -426,14 +421,6 @@ class ResponseBuilder:
                 output_index=where["output_index"],
                 item=message.model_dump(mode="json"),
             ),
-        ]
-
-    def _arguments_whole(self, item: OutputFunctionCall, arguments: str) -> list[Event]:
-        item.arguments = arguments
-        return [
-            self._event(
-                "response.function_call_arguments.delta", **self._where(item), delta=arguments
-            )
         ]
 
     def _close_call(self, item: OutputFunctionCall, status: str) -> list[Event]:

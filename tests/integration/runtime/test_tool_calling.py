@@ -122,6 +122,20 @@ def test_auto_reads_a_hermes_call_out_of_the_text(client: openai.OpenAI):
     assert calls_of(whole.message) == [("get_weather", {"city": "Paris", "unit": "celsius"})]
     again = streamed(client, **kwargs)
     assert calls_of(again.message) == calls_of(whole.message) and not again.message.content
+    # As OpenAI streams a call: its id and name first, then its arguments in pieces.
+    chunks = list(client.chat.completions.create(model=MODEL, stream=True, **kwargs))
+    pieces = [
+        c.choices[0].delta.tool_calls[0]
+        for c in chunks
+        if c.choices and c.choices[0].delta.tool_calls
+    ]
+    assert pieces[0].id and pieces[0].function.name == "get_weather"
+    assert all(p.id is None and p.function.name is None for p in pieces[1:])
+    assert len(pieces) > 2  # the arguments came as they were written
+    arguments = "".join(p.function.arguments or "" for p in pieces)
+    assert json.loads(arguments) == call["arguments"]
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert [reason for reason in finishes if reason] == ["tool_calls"]
     # No call in the text: an ordinary answer, streamed as it comes.
     plain = client.chat.completions.create(
         model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=12

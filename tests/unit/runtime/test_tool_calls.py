@@ -12,14 +12,12 @@ from openai import AsyncOpenAI
 from berth_common.errors import RequestError
 from berth_runtime.constrained.grammar import check_grammar
 from berth_runtime.entrypoints.protocol import ChatCompletionRequest
-from berth_runtime.entrypoints.tool_calls import (
-    ParsedCall,
-    ToolStream,
-    detect_parser,
-    effective_parser,
-    plan_tools,
-    read_calls,
-)
+from berth_runtime.entrypoints.protocol_responses import ResponseObject
+from berth_runtime.entrypoints.serving_responses import ResponseBuilder
+from berth_runtime.entrypoints.tool_calls import detect_parser, effective_parser, plan_tools
+from berth_runtime.entrypoints.tool_parsers import ParsedCall, read_calls
+from berth_runtime.entrypoints.tool_stream import CallPiece, ToolStream
+from berth_runtime.io_struct import FinishReason, RequestOutput
 from tests.unit.runtime.fakes import MODEL, FakeTokenizerManager
 
 WEATHER = {
@@ -135,9 +133,15 @@ def test_mistral_calls_as_a_json_array_or_name_then_args():
 
 def test_a_mistral_stream_holds_back_from_its_tag():
     stream = ToolStream(plan_of([WEATHER], parser="mistral"))
-    assert stream.feed("Let me see [TOOL") == "Let me see "
-    assert stream.feed('_CALLS][{"name": "get_weather", "arguments": {"city": "Metz"}}]') == ""
-    assert stream.finish() == ("", [ParsedCall("get_weather", '{"city": "Metz"}')])
+    assert stream.feed("Let me see [TOOL") == ("Let me see", [])
+    content, (piece,) = stream.feed('_CALLS][{"name": "get_weather", "arguments": {"city": ')
+    assert content == "" and (piece.index, piece.name, piece.arguments) == (
+        0,
+        "get_weather",
+        '{"city": ',
+    )
+    assert stream.feed('"Metz"}}]') == ("", [CallPiece(0, '"Metz"}')])
+    assert stream.end(clean=True) == ("", [])
 
 
 # Lines of the chat templates of the families, enough to tell their tool-call format.
@@ -169,15 +173,95 @@ def test_the_parser_follows_the_chat_template_unless_the_flag_names_one(template
 
 def test_a_hermes_stream_sends_text_and_holds_back_what_may_start_a_call():
     stream = ToolStream(plan_of([WEATHER]))
-    assert stream.feed("Sure, ") == "Sure, "
-    assert stream.feed("one moment <to") == "one moment "  # "<to" may begin "<tool_call>"
-    assert stream.feed("ol_call>") == ""
-    assert stream.feed('{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>') == ""
-    rest, calls = stream.finish()
-    assert rest == "" and calls == [ParsedCall("get_weather", '{"city": "Rome"}')]
+    assert stream.feed("Sure, ") == ("Sure,", [])  # the space waits for what follows it
+    assert stream.feed("one moment <to") == (" one moment", [])  # "<to" may begin "<tool_call>"
+    assert stream.feed("ol_call>") == ("", [])
+    content, pieces = stream.feed('{"name": "get_weather", "arguments": {"city": "Rome"}}')
+    assert content == "" and [(p.name, p.arguments) for p in pieces] == [
+        ("get_weather", '{"city": "Rome"}')
+    ]
+    assert stream.feed("</tool_call>") == ("", [])
+    assert stream.end(clean=True) == ("", [])
     plain = ToolStream(plan_of([WEATHER]))
-    assert plain.feed("I think <b>") == "I think <b>"  # not a call's start: sent at once
-    assert plain.finish() == ("", [])
+    assert plain.feed("I think <b> ") == ("I think <b>", [])  # not a call's start: sent at once
+    assert plain.end(clean=True) == (" ", [])
+
+
+# Replies cut into pieces at every character: what a stream sends must add up to the whole reply.
+STREAMED_REPLIES = [
+    (
+        "hermes",
+        'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris \\"Nord\\"",'
+        ' "unit": "C"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n'
+        "</tool_call>",
+    ),
+    ("hermes", '<tool_call>{"arguments": {"city": "Oslo"}, "name": "get_weather"}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "get_time"}</tool_call>'),
+    ("hermes", "A <b>bold</b> answer with no call."),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": 1}"}</tool_call>'),
+    (
+        "llama3",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+        '{"name": "get_time", "parameters": {}}',
+    ),
+    ("llama3", "{curly} but not a call"),
+    (
+        "mistral",
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Nice"}}, '
+        '{"name": "get_time", "arguments": {}}]',
+    ),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Nice"}[TOOL_CALLS]get_time[ARGS]{}'),
+    (
+        None,  # tool_choice: required
+        '[{"name": "get_weather", "parameters": {"city": "Nice"}}, '
+        '{"name": "get_time", "parameters": {}}]',
+    ),
+]
+
+
+@pytest.mark.parametrize(("parser", "reply"), STREAMED_REPLIES)
+def test_a_streamed_reply_adds_up_to_the_whole_one_however_it_is_cut(parser, reply):
+    plan = plan_of([WEATHER, TIME], "required" if parser is None else None, parser=parser)
+    content, calls = read_calls(plan, reply)
+    for size in (1, 2, 3, 7, len(reply)):
+        stream = ToolStream(plan)
+        streamed_content = ""
+        pieces: list[CallPiece] = []
+        for start in range(0, len(reply), size):
+            more_content, more_pieces = stream.feed(reply[start : start + size])
+            streamed_content += more_content
+            pieces += more_pieces
+        rest, last = stream.end(clean=True)
+        streamed_content, pieces = streamed_content + rest, pieces + last
+        streamed: dict[int, list[str]] = {}
+        for piece in pieces:
+            if piece.call_id is not None:  # a call's first piece: exactly one, before the rest
+                assert piece.index == len(streamed) and piece.name is not None
+                streamed[piece.index] = [piece.name, ""]
+            streamed[piece.index][1] += piece.arguments
+        assert [ParsedCall(*call) for call in streamed.values()] == calls
+        assert (streamed_content.strip() or None) == (content.strip() if content else None)
+
+
+def test_a_call_streams_its_name_first_then_its_arguments_as_they_are_written():
+    stream = ToolStream(plan_of([WEATHER]))
+    reply = '<tool_call>{"name": "get_weather", "arguments": {"city": "Lyon", "unit": "C"}}'
+    seen = [stream.feed(reply[: reply.index('{"city')])]
+    assert seen[0] == ("", [])  # the name alone: the call waits for its arguments to open
+    for start in range(reply.index('{"city'), len(reply), 4):
+        seen.append(stream.feed(reply[start : start + 4]))
+    first = seen[1][1][0]
+    assert first.call_id and first.name == "get_weather" and first.arguments == '{"ci'
+    assert sum(1 for _, pieces in seen for _ in pieces) > 5  # the arguments came in pieces
+
+
+def test_a_cut_off_call_ends_with_what_was_written_and_plain_text_with_all_of_it():
+    stream = ToolStream(plan_of([WEATHER]))
+    stream.feed('<tool_call>{"name": "get_weather", "arguments": {"city": "Ly')
+    assert stream.end(clean=False) == ("", [])  # committed: no more pieces, no content
+    held = ToolStream(plan_of([WEATHER]))
+    assert held.feed('Hm <tool_call>{"name": "get_wea') == ("Hm", [])
+    assert held.end(clean=False) == (' <tool_call>{"name": "get_wea', [])
 
 
 # --- the endpoint, with the openai SDK -----------------------------------------------------------
@@ -290,3 +374,40 @@ async def test_history_with_tool_calls_and_tool_answers_renders_through_the_temp
     assert answer.choices[0].finish_reason == "stop"
     prompt = tm.tokenizer.decode(tm.received[-1].input_ids)
     assert "18 C and sunny" in prompt
+
+
+def test_a_response_streams_a_hermes_call_after_closing_its_message() -> None:
+    plan = plan_of([WEATHER])
+    builder = ResponseBuilder(ResponseObject(id="resp_1", model=MODEL), plan, logprobs=False)
+    reply = (
+        'Looking.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Metz"}}</tool_call>'
+    )
+    events = builder.opening()
+    for start in range(0, len(reply), 5):
+        last = start + 5 >= len(reply)
+        out = RequestOutput(
+            rid="r",
+            text=reply[start : start + 5],
+            token_ids=[1],
+            finish_reason=FinishReason("stop", matched_token=2) if last else None,
+            prompt_tokens=5,
+            completion_tokens=start + 1,
+        )
+        events += builder.advance(out)
+    kinds = [e["type"] for e in events]
+    added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == ["message", "function_call"]
+    # The message is done before the call is added; the call's arguments stream in pieces.
+    assert kinds.index("response.output_text.done") < kinds.index("response.output_item.added", 3)
+    arguments = [
+        e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"
+    ]
+    assert len(arguments) > 2 and "".join(arguments) == '{"city": "Metz"}'
+    message, call = builder.response.output
+    assert message.content[0].text == "Looking."
+    assert (call.name, call.arguments, call.status) == (
+        "get_weather",
+        '{"city": "Metz"}',
+        "completed",
+    )
+    assert kinds[-1] == "response.completed"
