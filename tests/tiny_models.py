@@ -91,6 +91,27 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "Gemma3TextConfig",
         {"num_hidden_layers": 6, "sliding_window": 24, "query_pre_attn_scalar": 64},
     ),
+    # Gemma 3's multimodal checkpoint (as gemma-3-4b-it): the same language model, with a tiny
+    # vision tower beside it that Berth does not load.
+    "gemma3-multimodal": (
+        "Gemma3Config",
+        {
+            "text_config": {
+                "num_hidden_layers": 6,
+                "sliding_window": 24,
+                "query_pre_attn_scalar": 64,
+            },
+            "vision_config": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "image_size": 28,
+                "patch_size": 14,
+            },
+            "mm_tokens_per_image": 4,
+        },
+    ),
 }
 
 
@@ -101,7 +122,12 @@ def tiny_model_dir(family: str) -> str:
     import transformers
 
     config_class, settings = FAMILIES[family]
-    config = getattr(transformers, config_class)(**{**COMMON, **settings})
+    if "text_config" in settings:  # multimodal: the language model's settings go inside
+        text = {**COMMON, **settings["text_config"]}
+        shared = {key: COMMON[key] for key in ("initializer_range", "tie_word_embeddings")}
+        config = getattr(transformers, config_class)(**{**settings, **shared, "text_config": text})
+    else:
+        config = getattr(transformers, config_class)(**{**COMMON, **settings})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     path = Path(tempfile.mkdtemp(prefix=f"berth-tiny-{family}-"))

@@ -249,7 +249,7 @@ def kernel(interpret: bool | None = None) -> Any:
     if mode not in _kernels:
         if mode != interpreting():
             raise RuntimeError(f"TRITON_INTERPRET must be {int(mode)} to build this kernel")
-        if mode and not _library_interpreted():
+        if mode and not library_interpreted():
             raise RuntimeError(
                 "TRITON_INTERPRET=1 was set after Triton was imported: Triton's own library "
                 "(tl.max, tl.sum, ...) was built for the GPU then; set it before importing Triton"
@@ -262,7 +262,7 @@ def kernel(interpret: bool | None = None) -> Any:
     return _kernels[mode]
 
 
-def _library_interpreted() -> bool:
+def library_interpreted() -> bool:
     """Whether triton.language's own jitted functions were wrapped for the interpreter (they are
     wrapped once, when Triton is imported)."""
     try:

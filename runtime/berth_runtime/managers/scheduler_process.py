@@ -86,6 +86,9 @@ def run_scheduler_process(
             "weight_bytes": runner.weight_bytes,
             "q4_weight_bytes": runner.q4_bytes,
             "attention_backend": runner.attention_backend,
+            # How MoE layers run their experts: "fused" (one Triton kernel), "grouped" (each
+            # expert once over its tokens), null for dense models.
+            "moe_experts": runner.moe_experts,
             # The library of Berth's CPU kernels loaded (prebuilt, or built into the cache); null
             # where they are not (a GPU, or a CPU that fell back: see the log's warning).
             "cpu_kernels": str(path) if (path := cpu_kernels.loaded_library()) else None,

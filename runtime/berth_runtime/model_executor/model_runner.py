@@ -31,8 +31,9 @@ from berth_runtime.model_executor.forward_batch import DecodeLogits, ForwardBatc
 from berth_runtime.models.dummy_weights import DEFAULT_INIT_STD, init_dummy_weights
 from berth_runtime.models.gguf_q4 import can_run_int4
 from berth_runtime.models.layers.linear import can_prepack_cpu_linears
+from berth_runtime.models.layers.moe import SparseMoE
 from berth_runtime.models.loader import Q4_GROUPS_FILE, default_cache_dir
-from berth_runtime.models.registry import architecture_of, model_class
+from berth_runtime.models.registry import architecture_of, language_config, model_class
 from berth_runtime.server_args import ServerArgs
 from berth_runtime.utils import cpu_isa
 
@@ -119,7 +120,7 @@ class ModelRunner:
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         context_length = args.context_length
-        self.config = config or AutoConfig.from_pretrained(model_path)
+        self.config = language_config(config or AutoConfig.from_pretrained(model_path))
         arch = architecture_of(self.config)
         if arch is None:
             raise ValueError(f"unsupported architecture {self.config.architectures}")
@@ -152,6 +153,8 @@ class ModelRunner:
         self.attention_backend = self._enable_kernels(
             model, args.attention_backend, args.model_cache_dir
         )
+        moe = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        self.moe_experts = None if not moe else "fused" if moe[0].fused else "grouped"
         # Berth's int8 kernel for quantized weights (loaded by _enable_kernels), where it runs.
         self.quant_kernel = cpu_kernels.quant_linear_available()
         self.quant_isa = cpu_kernels.quant_linear_isa()

@@ -163,16 +163,23 @@ class CausalLM(CpuWeightPaths, nn.Module):
 
     def enable_triton_attention(self) -> None:
         """Run attention on the Triton paged kernels (`kernels.triton_attention`: CUDA, or CPU
-        tensors under Triton's interpreter), which read K/V in place as the CPU kernels do."""
+        tensors under Triton's interpreter), which read K/V in place as the CPU kernels do, and
+        MoE experts on the fused kernel (`kernels.triton_moe`)."""
         from berth_runtime.kernels import triton_attention
 
         for attn in self.attention_layers():
             attn.paged_attention = triton_attention
+        moe_layers = [m for m in self.modules() if isinstance(m, SparseMoE)]
+        for moe in moe_layers:
+            moe.use_fused()
+        if moe_layers:
+            self.cuda_graphs = True  # the fused experts never read back to the host
 
     # --- weights ----------------------------------------------------------------------------
 
-    def remap(self, name: str) -> str:
-        """A checkpoint tensor's name (without `model.`) as Berth's modules name it."""
+    def remap(self, name: str) -> str | None:
+        """A checkpoint tensor's name (without `model.`) as Berth's modules name it; None for a
+        tensor of a part Berth does not run (a multimodal checkpoint's vision tower)."""
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -182,7 +189,7 @@ class CausalLM(CpuWeightPaths, nn.Module):
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             name = self.remap(hf_name.removeprefix("model."))
-            if "rotary_emb" in name:
+            if name is None or "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 # Tied checkpoints may store the shared matrix under either name.

@@ -1,6 +1,7 @@
-"""Gemma 3 (text: Gemma3ForCausalLM, as gemma-3-1b and 270m): Gemma 2's layer (`gemma2`) with
-QK-norm instead of soft-capped scores, sliding-window layers interleaved with global ones
-(`layer_types`, five to one), and a RoPE base for each kind."""
+"""Gemma 3 (Gemma3ForCausalLM, as gemma-3-1b and 270m; and the language model of the multimodal
+4B/12B/27B checkpoints): Gemma 2's layer (`gemma2`) with QK-norm instead of soft-capped scores,
+sliding-window layers interleaved with global ones (`layer_types`, five to one), and a RoPE base
+for each kind."""
 
 from __future__ import annotations
 
@@ -50,3 +51,17 @@ class Gemma3ForCausalLM(CausalLM):
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch, ropes[layer.layer_type], kv_pool)
         return self.norm(hidden, residual)[0]
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The language model of a multimodal Gemma 3 checkpoint, text in and text out: its weights
+    under `language_model.` (`model.language_model.` in newer saves); the vision tower and the
+    projector are not loaded."""
+
+    def remap(self, name: str) -> str | None:
+        if name.startswith(("vision_tower.", "multi_modal_projector.")):
+            return None
+        for prefix in ("language_model.model.", "language_model."):
+            if name.startswith(prefix):
+                return name.removeprefix(prefix)
+        return name

@@ -7,13 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from berth_runtime.models.registry import language_config
 from berth_runtime.utils.decoding_tokenizer import load_decoding_tokenizer
 from berth_runtime.utils.torch_free import torch_hidden
 
 
 @dataclass
 class ModelFiles:
-    config: Any  # transformers' PretrainedConfig of the model
+    config: Any  # transformers' PretrainedConfig of the model Berth runs (`language_config`)
     tokenizer: Any  # decodes (see `load_decoding_tokenizer`); xgrammar loads its own
     eos_token_ids: set[int]
 
@@ -32,9 +33,15 @@ def read_model_files(model_path: str) -> ModelFiles:
         except OSError:  # no generation_config.json
             generation_eos = None
     eos: set[int] = set()
-    for value in (tokenizer.eos_token_id, getattr(config, "eos_token_id", None), generation_eos):
+    text_eos = getattr(language_config(config), "eos_token_id", None)
+    for value in (
+        tokenizer.eos_token_id,
+        getattr(config, "eos_token_id", None),
+        text_eos,
+        generation_eos,
+    ):
         if isinstance(value, int):
             eos.add(value)
         elif isinstance(value, list):
             eos.update(v for v in value if isinstance(v, int))
-    return ModelFiles(config, tokenizer, eos)
+    return ModelFiles(language_config(config), tokenizer, eos)

@@ -3,6 +3,7 @@ class, importable without torch (the API process checks a model before any weigh
 
 from __future__ import annotations
 
+import copy
 import importlib
 
 # `architectures` in config.json -> (module under berth_runtime.models, class).
@@ -17,7 +18,11 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    # Gemma 3 4B, 12B and 27B: multimodal checkpoints, served text in, text out.
+    "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForConditionalGeneration"),
 }
+# Multimodal architectures whose language model Berth serves: its config is `text_config`.
+MULTIMODAL = {"Gemma3ForConditionalGeneration"}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # For configs without `architectures`: model_type -> architecture.
 ARCHITECTURE_BY_MODEL_TYPE = {
@@ -43,6 +48,21 @@ def architecture_of(config: dict | object) -> str | None:
     if not names and by_type:
         names = [by_type]
     return next((name for name in names if name in ARCHITECTURES), None)
+
+
+def language_config(config):
+    """The config of the model Berth runs: a multimodal checkpoint's `text_config` (naming the
+    checkpoint's architecture, whose weights it loads), else `config` itself."""
+    architecture = architecture_of(config)
+    text = getattr(config, "text_config", None)
+    if architecture not in MULTIMODAL or text is None:
+        return config
+    text = copy.deepcopy(text)
+    text.architectures = [architecture]
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        if getattr(text, key, None) is None and getattr(config, key, None) is not None:
+            setattr(text, key, getattr(config, key))
+    return text
 
 
 def model_class(architecture: str) -> type:

@@ -38,6 +38,7 @@ NUM_TOKENS = 16
 INTERPRETED = {"TRITON_INTERPRET": "1"}
 CASES = [(family, "auto", {}) for family in FAMILIES] + [
     ("qwen3-moe", "triton", INTERPRETED),
+    ("mixtral", "triton", INTERPRETED),
     ("gemma3", "triton", INTERPRETED),
     ("gemma3", "torch_native", {}),
     ("mistral-sliding", "torch_native", {}),
@@ -98,6 +99,10 @@ def test_the_server_names_its_architecture_and_backend(served) -> None:
     assert info["engine"]["architecture"] == config["architectures"][0]
     if backend != "auto":
         assert info["engine"]["attention_backend"] == backend
+    moe = "num_experts" in config or "num_local_experts" in config
+    # MoE experts run fused on Triton (CUDA, or its interpreter here), grouped elsewhere.
+    expected = ("fused" if backend == "triton" else "grouped") if moe else None
+    assert info["engine"]["moe_experts"] == expected
 
 
 # Berth's bf16 may round differently from transformers' bf16 (fused norms, prepacked oneDNN

@@ -5,20 +5,13 @@ bit for bit the same in every kind of step. Plus a build of the kernel for CUDA 
 needed) that catches what the interpreter cannot: code that does not lower, spills, shared
 memory; and the same checks on a real GPU where there is one (marked `gpu`).
 
-The interpreter needs TRITON_INTERPRET=1 before Triton is imported (Triton wraps its own library
-for the interpreter or the GPU at import), and this pytest process may have imported it already:
-the kernel tests (@interpreted) run in one worker process spawned with it set.
+The interpreted tests run in the worker process of `tests.triton_worker`.
 """
 
 from __future__ import annotations
 
-import functools
-import multiprocessing
-import os
 import re
 import subprocess
-from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +22,7 @@ import torch.nn.functional as F
 
 from berth_runtime.kernels import triton_attention as ta
 from tests.integration.runtime.test_cpu_kernels import extend_case, paged_case, reference_attention
+from tests.triton_worker import build_for_cuda, interpreted
 
 pytestmark = pytest.mark.skipif(ta.triton is None, reason="Triton is not installed")
 
@@ -41,48 +35,6 @@ INVARIANCE_CASES = [
     (torch.float16, 16, 2, 256),  # tiles of 32, blocks of 4
     (torch.float16, 2, 2, 128),  # tiles of 64, blocks of 32
 ]
-
-_worker: ProcessPoolExecutor | None = None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def stop_worker() -> Iterator[None]:
-    yield
-    global _worker
-    if _worker is not None:
-        _worker.shutdown(cancel_futures=True)
-        _worker = None
-
-
-def interpreter_worker() -> ProcessPoolExecutor:
-    """One process for the module's kernel tests, spawned (not forked: Triton may be imported
-    here already) with TRITON_INTERPRET=1 in its environment."""
-    global _worker
-    if _worker is None:
-        _worker = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        with pytest.MonkeyPatch.context() as env:
-            env.setenv("TRITON_INTERPRET", "1")
-            # One thread each for torch and numpy: the interpreter's tensors are tiny.
-            env.setenv("OMP_NUM_THREADS", "1")
-            env.setenv("OPENBLAS_NUM_THREADS", "1")
-            _worker.submit(os.getpid).result(timeout=120)  # the process starts here
-    return _worker
-
-
-def _run_interpreted(name: str, kwargs: dict[str, Any]) -> None:
-    """In the worker: the undecorated test `name` of this module."""
-    globals()[name].__wrapped__(**kwargs)
-
-
-def interpreted(test: Callable[..., None]) -> Callable[..., None]:
-    """Run the test in the interpreter worker; its failure (with the worker's traceback) is
-    raised here. Its parameters come from parametrize only (no fixtures)."""
-
-    @functools.wraps(test)
-    def run(**kwargs: Any) -> None:
-        interpreter_worker().submit(_run_interpreted, test.__name__, kwargs).result(timeout=600)
-
-    return run
 
 
 def on(device: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -275,36 +227,19 @@ def test_rejects_bad_input(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="only under Triton's interpreter"):
         ta.decode_attention(q, kv, kv_indices, lens, 0.1)
-    if not ta._library_interpreted():  # this process imported Triton for the GPU
+    if not ta.library_interpreted():  # this process imported Triton for the GPU
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         with pytest.raises(RuntimeError, match="set after Triton was imported"):
             ta.decode_attention(q, kv, kv_indices, lens, 0.1)
 
 
 def cuda_build(dtype: torch.dtype, dim: int, heads: int, kv_heads: int, arch: int) -> Any:
-    """Compile the GPU kernel for sm_`arch` with the specialization a launch on these inputs
-    would get (Triton's own binder), without a GPU. Uses Triton internals: skips if they moved."""
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource, make_backend
-        from triton.runtime.jit import create_function_from_signature
-
-        jit_fn = ta.kernel(interpret=False)
-        q, kv, kv_indices, lens = paged_case(3, heads, kv_heads, dim, dtype)
-        _, args, kwargs = ta.launch_arguments(
-            q, kv, kv_indices, torch.arange(3), lens, 0.1, torch.empty_like(q), interpret=False
-        )
-        target = GPUTarget("cuda", arch, 32)
-        backend = make_backend(target)
-        binder = create_function_from_signature(jit_fn.signature, jit_fn.params, backend)
-        bound, specialization, options = binder(*args, **kwargs)
-        options, signature, constexprs, attrs = jit_fn._pack_args(
-            backend, kwargs, bound, specialization, options
-        )
-        source = ASTSource(jit_fn, signature, constexprs, attrs)
-    except (ImportError, AttributeError, TypeError) as e:  # pragma: no cover - another Triton
-        pytest.skip(f"this Triton's internals differ: {e}")
-    return ta.triton.compile(source, target=target, options=options.__dict__)
+    """The attention kernel compiled for sm_`arch` as a launch on these inputs would compile it."""
+    q, kv, kv_indices, lens = paged_case(3, heads, kv_heads, dim, dtype)
+    _, args, kwargs = ta.launch_arguments(
+        q, kv, kv_indices, torch.arange(3), lens, 0.1, torch.empty_like(q), interpret=False
+    )
+    return build_for_cuda(ta.kernel(interpret=False), args, kwargs, arch)
 
 
 @pytest.mark.parametrize(
@@ -323,7 +258,7 @@ def test_kernel_builds_for_cuda_without_spills(
     """What the interpreter cannot check: the kernel lowers for the GPU, its K/V gathers are
     pipelined async copies, it keeps within registers (no spill) and needs well under the
     smallest shared memory of the targets (sm_80: 164 KiB)."""
-    if ta._library_interpreted():
+    if ta.library_interpreted():
         pytest.skip("this process imported Triton for the interpreter")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     compiled = cuda_build(dtype, dim, heads, kv_heads, arch)
@@ -348,7 +283,7 @@ def test_on_the_gpu():
     """The same checks compiled for the GPU at hand (MMA, ex2.approx: bits differ from the
     interpreter's): fp32 to 1e-5 of the reference, 16-bit as close as SDPA on CPU (worst error
     within 1.25 times its), and the invariance bit for bit, on the benchmark shapes too."""
-    if ta._library_interpreted():
+    if ta.library_interpreted():
         pytest.skip("this process imported Triton for the interpreter")
     for heads, kv_heads in GROUPS:
         check_fp32(heads, kv_heads, 128, "cuda", tol=1e-5)
