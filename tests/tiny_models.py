@@ -35,6 +35,8 @@ COMMON: dict[str, Any] = {
     "initializer_range": 0.2,
 }
 
+LONGROPE_ORIGINAL = 128  # the original context of the LongRoPE model
+
 # name -> (transformers config class, its settings beyond COMMON)
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3": (
@@ -77,6 +79,24 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
     ),
     "phi3": ("Phi3Config", {"partial_rotary_factor": 0.5, "sliding_window": None}),
+    # Phi-3.5's and Phi-4-mini's LongRoPE, with partial rotary: short factors within 128 tokens,
+    # long ones past them (the prompts here stay within; a decode crosses it in its own test).
+    "phi3-longrope": (
+        "Phi3Config",
+        {
+            "hidden_size": 256,  # Phi-3's config checks the factors against hidden / heads
+            "partial_rotary_factor": 0.5,
+            "sliding_window": None,
+            "original_max_position_embeddings": LONGROPE_ORIGINAL,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.05 * i for i in range(16)],
+                "long_factor": [1.0 + 0.6 * i for i in range(16)],
+                "original_max_position_embeddings": LONGROPE_ORIGINAL,
+            },
+        },
+    ),
     "olmo2": ("Olmo2Config", {}),
     # Sliding windows of 24 tokens: the tests' prompts are longer.
     "mistral-sliding": ("MistralConfig", {"sliding_window": 24}),

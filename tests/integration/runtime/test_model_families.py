@@ -164,3 +164,22 @@ def test_a_gguf_of_the_family_serves_transformers_greedy_tokens(family: str, tmp
         assert got == hf_greedy(family, LONG_PROMPT, NUM_TOKENS)
     finally:
         server.stop()
+
+
+def test_longrope_decodes_past_the_original_context_as_transformers_does() -> None:
+    """A prompt within LongRoPE's original context (128), decoded past it: the positions beyond
+    rotate with the long factors, as transformers rotates them when it decodes there."""
+    prompt = LONG_PROMPT[:110]
+    server = RunningServer(
+        "--model", tiny_model_dir("phi3-longrope"), "--dtype", "float32", "--device", "cpu"
+    ).wait_ready()
+    try:
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True},
+        }
+        response = httpx.post(f"{server.base_url}/generate", json=body, timeout=600)
+        assert response.status_code == 200, response.text
+        assert response.json()["output_ids"] == hf_greedy("phi3-longrope", prompt, 40)
+    finally:
+        server.stop()

@@ -1,5 +1,6 @@
 """Rotary position embeddings: the frequencies of each scaling scheme (default, linear, Llama 3,
-YaRN), a cos/sin table per position, and the rotate-half rotation over all or part of a head."""
+YaRN, LongRoPE), a cos/sin table per position, and the rotate-half rotation over all or part of a
+head."""
 
 from __future__ import annotations
 
@@ -35,9 +36,17 @@ def rotary_dim(config, layer_type: str | None = None) -> int:
     return int(head_dim_of(config) * factor)
 
 
-def rope_inv_freq(config, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [rotary_dim / 2] and the factor cos and sin are scaled by (YaRN's
-    attention factor; 1 otherwise), as transformers computes them."""
+def rope_type_of(config, layer_type: str | None = None) -> str:
+    params = rope_parameters(config, layer_type)
+    return params.get("rope_type", params.get("type", "default"))
+
+
+def rope_inv_freq(
+    config, layer_type: str | None = None, long: bool = False
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [rotary_dim / 2] and the factor cos and sin are scaled by (YaRN's and
+    LongRoPE's attention factor; 1 otherwise), as transformers computes them; `long`: LongRoPE's
+    frequencies past the original context."""
     params = rope_parameters(config, layer_type)
     theta = params["rope_theta"]
     dim = rotary_dim(config, layer_type)
@@ -53,10 +62,12 @@ def rope_inv_freq(config, layer_type: str | None = None) -> tuple[torch.Tensor, 
         inv_freq = _llama3(inv_freq, params, config)
     elif rope_type == "yarn":
         inv_freq, attention_factor = _yarn(theta, dim, params, config)
+    elif rope_type == "longrope":
+        inv_freq, attention_factor = _longrope(theta, dim, params, config, long)
     elif rope_type != "default":
         raise ValueError(
             f"unsupported rope scaling type {rope_type!r} "
-            "(supported: default, linear, llama3, yarn)"
+            "(supported: default, linear, llama3, yarn, longrope)"
         )
     return inv_freq.float(), attention_factor
 
@@ -121,8 +132,34 @@ def _yarn(theta: float, dim: int, params: dict[str, Any], config) -> tuple[torch
     return inv_freq, float(attention_factor)
 
 
+def _longrope(
+    theta: float, dim: int, params: dict[str, Any], config, long: bool
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini): each frequency divided by its own factor, the
+    short ones within the original context, the long ones past it; cos and sin scaled by
+    sqrt(1 + ln(factor) / ln(original context))."""
+    original = _original_max_positions(params, config)
+    factor = params.get("factor") or config.max_position_embeddings / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    factors = torch.tensor(
+        params["long_factor" if long else "short_factor"], dtype=torch.float32, device="cpu"
+    )
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    return 1.0 / (factors * theta**exponents), float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
-    """Non-interleaved (rotate-half) rotary embedding with a precomputed cos/sin table."""
+    """Non-interleaved (rotate-half) rotary embedding with a precomputed cos/sin table.
+
+    LongRoPE keeps two tables: positions below the original context rotate with its short
+    factors, positions past it with its long ones. That is how transformers decodes past the
+    original context; its own prefill of a prompt longer than that rotates every position with
+    the long factors, which a prefix cache shared between requests cannot do (a cached position
+    must keep one rotation whatever the prompt it is reused in)."""
 
     def __init__(self, config, max_positions: int, layer_type: str | None = None) -> None:
         super().__init__()
@@ -131,8 +168,16 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = 2 * inv_freq.shape[0]
         t = torch.arange(max_positions, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)
-        self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
+        cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
+        if rope_type_of(config, layer_type) == "longrope":
+            original = _original_max_positions(rope_parameters(config, layer_type), config)
+            long_freq, _ = rope_inv_freq(config, layer_type, long=True)
+            long = torch.outer(t, long_freq)
+            past = t >= original
+            cos[past] = long.cos()[past] * attention_factor
+            sin[past] = long.sin()[past] * attention_factor
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def rebuild(self, device: torch.device) -> None:
         """Compute the tables again on `device` (a model built on the meta device has none)."""
