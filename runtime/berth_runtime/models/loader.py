@@ -23,6 +23,8 @@ BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 Q4_GROUPS_FILE = "q4/groups.safetensors"
 # Bump when the converted layout changes, so stale caches are rebuilt.
 CONVERSION_VERSION = "2"
+# In a converted directory: the GGUF it came from, to find conversions a newer one replaced.
+SOURCE_FILE = "source.json"
 
 
 LoadFormat = Literal["auto", "dummy"]  # --load-format
@@ -112,8 +114,9 @@ def convert_gguf(gguf: Path, cache_root: Path) -> Path:
     also kept as they were, in `Q4_GROUPS_FILE`, for small-batch decode on CPU.
     """
     stat = gguf.stat()
+    source = str(gguf.resolve())
     key = hashlib.sha256(
-        f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERSION_VERSION}".encode()
+        f"{source}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERSION_VERSION}".encode()
     ).hexdigest()[:16]
     target = cache_root / f"{gguf.stem}-{key}"
     if (target / "config.json").is_file():
@@ -144,6 +147,7 @@ def convert_gguf(gguf: Path, cache_root: Path) -> Path:
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
         safetensors.torch.save_model(model, str(tmp / "model.safetensors"))
+        (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": source, "key": key}) + "\n")
         groups = matching_groups(read_q4_groups(gguf), model.state_dict())
         if groups:
             (tmp / Q4_GROUPS_FILE).parent.mkdir()
@@ -155,7 +159,24 @@ def convert_gguf(gguf: Path, cache_root: Path) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    remove_replaced_conversions(cache_root, source, keep=target)
     return target
+
+
+def remove_replaced_conversions(cache_root: Path, source: str, keep: Path) -> None:
+    """Delete the cache's earlier conversions of the GGUF file at `source`: made before the file
+    was replaced (a reinstall, a new download) or by another conversion version, they can never
+    be used again, and each is as large as the model in fp32."""
+    for other in cache_root.iterdir():
+        if other == keep or not other.is_dir():
+            continue
+        try:
+            recorded = json.loads((other / SOURCE_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # not a conversion that says where it came from: not ours to judge
+        if recorded.get("gguf") == source:
+            logger.info("Removing %s: converted from an earlier %s", other, source)
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def gguf_config(gguf_path: Path):
