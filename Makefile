@@ -32,8 +32,9 @@ operator: install ## Run the operator against the current kubeconfig
 
 ##@ Development
 .PHONY: control-plane
-control-plane: ## Build (or reuse, cached by version) etcd, kube-apiserver, kubectl & co for tests/cluster/
+control-plane: ## Build (or reuse, cached by version) etcd, kube-apiserver, kubectl & co, and fetch the InferencePool CRD, for tests/cluster/
 	hack/control-plane/build.sh
+	hack/inference-extension/crds.sh
 
 .PHONY: test
 test: install control-plane ## Run unit, integration and cluster tests (CPU; a local control plane)

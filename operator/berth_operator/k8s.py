@@ -75,6 +75,11 @@ SERVICE_ACCOUNT = ResourceType("", "v1", "serviceaccounts", "ServiceAccount")
 ROLE_BINDING = ResourceType("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding")
 INFERENCESERVICE = ResourceType(c.GROUP, c.VERSION, c.PLURAL, c.KIND)
 ACCELERATORPOOL = ResourceType(c.GROUP, c.VERSION, c.POOL_PLURAL, c.POOL_KIND, namespaced=False)
+# The Gateway API Inference Extension's pool: a child only where its CRD is installed, so it is
+# not watched (`Worker` reads it when it reconciles).
+INFERENCE_POOL = ResourceType(
+    "inference.networking.k8s.io", "v1", "inferencepools", "InferencePool"
+)
 
 # The kinds the builders may emit; the operator watches each of them (drift repair, status).
 CHILD_TYPES = (
@@ -86,8 +91,10 @@ CHILD_TYPES = (
     SERVICE_ACCOUNT,
     ROLE_BINDING,
 )
-_BY_KIND = {(t.api_version, t.kind): t for t in (*CHILD_TYPES, POD, INFERENCESERVICE)}
-KIND_TYPES = {t.kind: t for t in CHILD_TYPES}
+_BY_KIND = {
+    (t.api_version, t.kind): t for t in (*CHILD_TYPES, INFERENCE_POOL, POD, INFERENCESERVICE)
+}
+KIND_TYPES = {t.kind: t for t in (*CHILD_TYPES, INFERENCE_POOL)}
 
 
 def resource_type(obj: Mapping[str, Any]) -> ResourceType:
@@ -176,6 +183,18 @@ class Kube:
             if e.status == 404:
                 return None
             raise
+
+    async def serves(self, rtype: ResourceType) -> bool:
+        """Whether the API server serves `rtype` (its CRD is installed): API discovery, which
+        every authenticated user may read."""
+        base = f"/apis/{rtype.group}/{rtype.version}" if rtype.group else f"/api/{rtype.version}"
+        try:
+            listing = await call(self.client, "GET", base)
+        except ApiError as e:
+            if e.status == 404:
+                return False
+            raise
+        return any(r.get("name") == rtype.plural for r in listing.get("resources") or ())
 
     async def delete(
         self,

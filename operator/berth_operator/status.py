@@ -30,7 +30,9 @@ READY = "Ready"
 RECONCILING = "Reconciling"
 STALLED = "Stalled"
 DEGRADED = "Degraded"
-CONDITION_TYPES = (READY, RECONCILING, STALLED, DEGRADED)
+# Only while the spec asks for an InferencePool: whether it exists (the CRD may be missing).
+INFERENCE_POOL = "InferencePoolReady"
+CONDITION_TYPES = (READY, RECONCILING, STALLED, DEGRADED, INFERENCE_POOL)
 # Written by earlier versions of the operator; dropped when the status is next written.
 RETIRED_TYPES = ("Progressing",)
 
@@ -244,6 +246,7 @@ def compute(
     live: Live | None = None,
     missing: Sequence[str] = (),
     grant: Grant | None = None,
+    inference_pool: str | None = None,
 ) -> dict[str, Any]:
     """The whole status of a valid InferenceService whose children are `observed`.
 
@@ -251,8 +254,9 @@ def compute(
     changed them); `live` is what the ranks' metrics said at the last scrape (None: no scrape
     yet, and the live fields are left as they are); `missing` names the children that should
     exist and do not (deleted behind the operator's back: being restored); `grant` is the
-    placement in an AcceleratorPool, when the spec lists pools. A field whose value is None is
-    one to remove (`publish` sends it as null in the merge patch).
+    placement in an AcceleratorPool, when the spec lists pools; `inference_pool` the state of the
+    InferencePool the spec asks for (`inference_pool.CREATED`, `NOT_INSTALLED`; None: not asked).
+    A field whose value is None is one to remove (`publish` sends it as null in the merge patch).
     """
     previous = previous or {}
     old_conditions = previous.get("conditions") or []
@@ -343,10 +347,23 @@ def compute(
     else:
         degraded = cond(DEGRADED, False, "AsExpected", "no failing pods, no stalled rank")
 
+    ours = [ready, reconciling, stalled_condition, degraded]
+    if inference_pool == "Created":
+        ours.append(
+            cond(INFERENCE_POOL, True, "Created", f"InferencePool {isvc.name} selects the ranks")
+        )
+    elif inference_pool is not None:
+        ours.append(
+            cond(
+                INFERENCE_POOL,
+                False,
+                inference_pool,
+                "the cluster does not serve inference.networking.k8s.io/v1 InferencePools (its "
+                "CRD is not installed); serving through the Berth router",
+            )
+        )
     status: dict[str, Any] = {
-        "conditions": _merge_conditions(
-            [ready, reconciling, stalled_condition, degraded], old_conditions
-        ),
+        "conditions": _merge_conditions(ours, old_conditions),
         "url": url or naming.cluster_url(isvc),
         "clusterURL": naming.cluster_url(isvc),
         "replicas": ranks.current,

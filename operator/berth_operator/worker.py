@@ -4,7 +4,9 @@ status, one step at a time, from what the watches show.
 kopf's watch streams feed each worker (`seen_service`, `seen_child`, `seen_pod`, called by the
 handlers) with the InferenceService, its children and their pods, and wake it. The worker reads
 nothing back from the API server for its status or for drift: a steady service costs no API
-requests besides the watches, and the status is written only when it changes.
+requests besides the watches, and the status is written only when it changes. (The one child
+kind not watched, the InferencePool, whose CRD may be missing, is read when applying:
+`inference_pool`.)
 
 A step:
 
@@ -40,6 +42,7 @@ import kopf
 from berth_operator import builders, children, k8s, metrics, naming, pool_placement, scrape, status
 from berth_operator import constants as c
 from berth_operator.children import ApplyFailure, ChildKey
+from berth_operator.inference_pool import InferencePoolLink
 from berth_operator.observer import Event, RankObserver
 from berth_operator.plan import RankPlan, RankSet
 from berth_operator.pool_placement import PlacementError, PoolView
@@ -109,6 +112,7 @@ class Worker:
     uses_pools: bool = False  # the spec lists pools: woken when pools, Nodes or claims change
     grant: Grant | None = None  # the last placement's quota decision
     rank_sets: tuple[RankSet, ...] = ()  # ... and where its ranks run (pools only)
+    inference_pool: InferencePoolLink = field(default_factory=InferencePoolLink)
 
     # --- fed by the handlers -----------------------------------------------------------------
 
@@ -176,6 +180,7 @@ class Worker:
         self.applied_generation = None
         self.failure = None
         self.backoff = 0.0
+        self.inference_pool = InferencePoolLink()
 
     # --- the task ------------------------------------------------------------------------------
 
@@ -258,6 +263,10 @@ class Worker:
         elif self.pools is not None and self.grant is not None:
             self.pools.ledger.release((self.namespace, self.name))
             self.grant, self.rank_sets = None, ()
+        if self.inference_pool.recheck_due(isvc, now) and await self.inference_pool.check(
+            self.kube, now
+        ):
+            self.drift = True  # the InferencePool CRD was installed: create the pool now
         if self._apply_due(generation, plan, time.monotonic()):
             await self._reconcile(isvc, plan, generation)
         failure = self.failure
@@ -326,20 +335,30 @@ class Worker:
     ) -> None:
         first = generation != self.applied_generation
         built = builders.build_children(isvc, plan, self.rank_sets if self.uses_pools else ())
+        known = dict(self.children)
+        try:
+            built = await self.inference_pool.prepare(
+                self.kube, isvc, built, known, time.monotonic()
+            )
+        except k8s.ApiError as e:
+            error = ApplyFailure(
+                status.APPLY_FAILED, f"reading the InferencePool: {e}", retrying=True
+            )
+            await self._fail(error, generation, self.body or {})
+            return
         self.wanted = {children.child_key(child) for child in built}
         self.drift = False
         gone = set(self.deleted)  # (watch events keep coming in while the children are applied)
         try:
             result = await children.apply(
-                self.kube,
-                isvc,
-                built,
-                dict(self.children),
-                validate=first or self.failure is not None,
+                self.kube, isvc, built, known, validate=first or self.failure is not None
             )
         except ApplyFailure as error:
             await self._fail(error, generation, self.body or {})
             return
+        notice = self.inference_pool.applied(isvc)
+        if notice is not None:
+            _post(self.body or {}, notice.type, notice.reason, notice.message)
         self.own_versions.update(result.versions)
         repaired = [children.describe(k) for k in sorted(gone & set(result.versions))]
         self.deleted -= set(result.versions)
@@ -488,6 +507,7 @@ class Worker:
             live=live,
             missing=[children.describe(k) for k in sorted(self.deleted & self.wanted)],
             grant=self.grant if self.uses_pools else None,
+            inference_pool=self.inference_pool.state,
         )
         await self._publish(current, new)
         if live is not None:

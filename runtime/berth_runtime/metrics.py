@@ -19,6 +19,10 @@ ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2,
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280, 2400)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 
+# Tokens per KV cache page: the pool hands out one token slot at a time (mem_cache/kv_pool.py), so
+# a page is one token and the cache holds max_total_num_tokens pages.
+KV_PAGE_SIZE = 1
+
 # Routes counted by name; anything else is "other" (bounded label cardinality).
 KNOWN_ENDPOINTS = frozenset(
     {
@@ -67,6 +71,16 @@ class MetricsCollector:
         self.gen_throughput = gauge("sglang:gen_throughput", "Generated tokens/s (last second)")
         self.cache_hit_rate = gauge("sglang:cache_hit_rate", "Prompt tokens served from cache")
         self.context_len = gauge("sglang:context_len", "Maximum tokens per request")
+        # The KV cache's geometry as labels (value 1), as vLLM's vllm:cache_config_info: the
+        # Gateway API Inference Extension's endpoint picker reads `page_size` and `num_pages`
+        # from it for its prefix-cache scorer, instead of guessing them from its own config.
+        self.cache_config_info = Gauge(
+            "sglang:cache_config_info",
+            "KV cache geometry in the labels: page_size (tokens per page), num_pages",
+            [*names, "page_size", "num_pages"],
+            registry=self.registry,
+        )
+        self._labels = labels
         self.heartbeat = gauge(
             "berth:scheduler_last_heartbeat_timestamp_seconds",
             "Unix time of the scheduler's last heartbeat (every 0.5 s while its loop runs)",
@@ -125,8 +139,16 @@ class MetricsCollector:
         )
 
     def set_engine_info(self, context_len: int, max_total_num_tokens: int) -> None:
+        """What the engine reported once ready; the cache's size is fixed from then on."""
         self.context_len.set(context_len)
         self.max_total_num_tokens.set(max_total_num_tokens)
+        # One label set only: a stale one left beside it would give a scraper two geometries.
+        self.cache_config_info.clear()
+        self.cache_config_info.labels(
+            **self._labels,
+            page_size=str(KV_PAGE_SIZE),
+            num_pages=str(max_total_num_tokens // KV_PAGE_SIZE),
+        ).set(1)
 
     def observe_stats(self, stats: SchedulerStats) -> None:
         self.num_running_reqs.set(stats.num_running_reqs)

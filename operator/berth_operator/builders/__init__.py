@@ -48,6 +48,8 @@ def build_children(
     children.append(network.build_entry_service(isvc))
     if spec.ingress is not None:
         children.append(network.build_ingress(isvc))
+    if spec.routing.inference_pool is not None:
+        children.append(network.build_inference_pool(isvc))
     if isvc.uid:
         for child in children:
             child["metadata"]["ownerReferences"] = [owner_reference(isvc)]

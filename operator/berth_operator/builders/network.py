@@ -1,4 +1,5 @@
-"""The way in: the entry Service (router, or the ranks themselves) and the Ingress."""
+"""The way in: the entry Service (router, or the ranks themselves), the Ingress, and the
+InferencePool that a Gateway API inference gateway routes through."""
 
 from __future__ import annotations
 
@@ -58,5 +59,34 @@ def build_ingress(isvc: InferenceService) -> Manifest:
         "apiVersion": "networking.k8s.io/v1",
         "kind": "Ingress",
         "metadata": meta,
+        "spec": spec,
+    }
+
+
+INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"
+
+
+def build_inference_pool(isvc: InferenceService) -> Manifest:
+    """An InferencePool of exactly this service's rank pods, on their serving port: the gateway
+    sends each request to the rank its endpoint picker chooses (from the ranks' own /metrics,
+    read as SGLang's: the pods carry llm-d.ai/engine-type: sglang)."""
+    pool = isvc.spec.routing.inference_pool
+    assert pool is not None  # callers check spec.routing.inference_pool
+    spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector_labels(isvc.name, c.ROLE_RANK)},
+        "targetPorts": [{"number": c.HTTP_PORT}],
+    }
+    picker = pool.endpoint_picker
+    if picker is not None:
+        spec["endpointPickerRef"] = {
+            "kind": "Service",
+            "name": picker.name,
+            "port": {"number": picker.port},
+            "failureMode": picker.failure_mode,
+        }
+    return {
+        "apiVersion": INFERENCE_POOL_API_VERSION,
+        "kind": "InferencePool",
+        "metadata": metadata(isvc, isvc.name, None),
         "spec": spec,
     }

@@ -1,4 +1,5 @@
-"""How requests reach the ranks: the router in front of them, and the Ingress in front of that."""
+"""How requests reach the ranks: the router in front of them, the Ingress in front of that, and
+an InferencePool for a Gateway API inference gateway."""
 
 from __future__ import annotations
 
@@ -14,11 +15,50 @@ from berth_operator.spec.fields import (
     string,
     string_map,
 )
-from berth_operator.spec.formats import DNS1123_SUBDOMAIN, WILDCARD_DNS1123_SUBDOMAIN
+from berth_operator.spec.formats import (
+    DNS1035_LABEL,
+    DNS1123_SUBDOMAIN,
+    WILDCARD_DNS1123_SUBDOMAIN,
+)
 
 ROUTING_POLICIES = ("cacheAware", "leastLoad", "roundRobin")
 PATH_TYPES = ("Prefix", "Exact", "ImplementationSpecific")
 MAX_ROUTER_REPLICAS = 16
+FAILURE_MODES = ("FailClose", "FailOpen")
+
+
+@spec_object("The endpoint picker (EPP) Service that the gateway asks which rank takes a request.")
+@dataclass(frozen=True)
+class EndpointPickerSpec:
+    name: str = string(
+        "The endpoint picker's Service, in the InferenceService's namespace.",
+        required="required when endpointPicker is set",
+        max_length=63,
+        operator_pattern=DNS1035_LABEL,
+        what="a Service name",
+    )
+    port: int = integer(
+        "The Service's port of the picker's gRPC ext-proc server.",
+        9002,
+        minimum=1,
+        maximum=65535,
+    )
+    failure_mode: str = enum(
+        "What the gateway does when the picker does not answer: FailClose (refuse the request) or "
+        "FailOpen (send it to any rank).",
+        FAILURE_MODES,
+        "FailClose",
+    )
+
+
+@spec_object(
+    "Create an InferencePool (inference.networking.k8s.io/v1) of the ranks, for a Gateway API "
+    "inference gateway (created when this is set; where the CRD is not installed, a condition "
+    "says so and the router serves as before)."
+)
+@dataclass(frozen=True)
+class InferencePoolSpec:
+    endpoint_picker: EndpointPickerSpec | None = optional(EndpointPickerSpec)
 
 
 @spec_object("The router in front of the ranks (the InferenceService's single entry point).")
@@ -37,6 +77,7 @@ class RoutingSpec:
         minimum=0,
         maximum=MAX_ROUTER_REPLICAS,
     )
+    inference_pool: InferencePoolSpec | None = optional(InferencePoolSpec)
 
 
 @spec_object("Serve HTTPS with the certificate in a Secret.")

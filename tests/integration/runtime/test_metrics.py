@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import metric, scrape, wait_for
 from tests.integration.runtime.conftest import MODEL
@@ -38,6 +40,43 @@ def test_every_sglang_metric_is_exported_with_labels(server):
     labels = dict(next(ls for (n, ls) in samples if n == "sglang:num_running_reqs"))
     assert labels == {"model_name": MODEL, "dp_rank": "0"}
     assert metric(samples, "sglang:max_total_num_tokens") > 0
+
+
+def test_the_endpoint_picker_reads_its_sglang_series(http: httpx.Client):
+    """What the Gateway API Inference Extension's endpoint picker reads from an SGLang-type
+    server's `/metrics` (its model-server protocol, proposal 003): queue, running and KV cache
+    utilization gauges, and the cache's geometry in the labels of `sglang:cache_config_info`."""
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    series = {}
+    for name in (
+        "sglang:num_queue_reqs",
+        "sglang:num_running_reqs",
+        "sglang:token_usage",
+        "sglang:cache_config_info",
+    ):
+        assert name in families, name
+        family = families[name]
+        assert family.type == "gauge", (name, family.type)
+        # One rank, one model: one sample, so the picker has no choice to make between them.
+        assert len(family.samples) == 1, (name, family.samples)
+        sample = family.samples[0]
+        assert sample.name == name and sample.labels["model_name"] == MODEL, sample
+        assert isinstance(sample.value, float) and math.isfinite(sample.value), sample
+        series[name] = sample
+
+    for name in ("sglang:num_queue_reqs", "sglang:num_running_reqs"):
+        value = series[name].value
+        assert value >= 0 and value == int(value), (name, value)
+    assert 0 <= series["sglang:token_usage"].value <= 1
+
+    info = series["sglang:cache_config_info"]
+    assert info.value == 1
+    # Whole numbers as the picker parses them (strconv.Atoi): no "1.0", no sign, no spaces.
+    page_size, num_pages = info.labels["page_size"], info.labels["num_pages"]
+    assert page_size.isdigit() and num_pages.isdigit(), info.labels
+    assert int(page_size) >= 1 and int(num_pages) >= 1, info.labels
+    engine = http.get("/get_server_info").json()["engine"]
+    assert int(num_pages) * int(page_size) == engine["max_total_num_tokens"] > 0
 
 
 def test_counters_equal_the_traffic(server, client: openai.OpenAI, http: httpx.Client):
