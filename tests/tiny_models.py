@@ -74,6 +74,16 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "mlp_only_layers": [1],  # one dense layer among the sparse ones
         },
     ),
+    # Every layer sparse, as the released Qwen3-MoE models (and their GGUFs) are.
+    "qwen3-moe-sparse": (
+        "Qwen3MoeConfig",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": True,
+        },
+    ),
     "mixtral": (
         "MixtralConfig",
         {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
@@ -187,7 +197,7 @@ def hf_greedy(family: str, input_ids: list[int], num_tokens: int, dtype: str = "
 
 
 # Families whose tiny model is also written as a GGUF file: llama.cpp's architecture name.
-GGUF_ARCHITECTURES = {"qwen3": "qwen3", "gemma3": "gemma3"}
+GGUF_ARCHITECTURES = {"qwen3": "qwen3", "gemma3": "gemma3", "qwen3-moe-sparse": "qwen3moe"}
 
 
 @functools.cache
@@ -220,6 +230,10 @@ def tiny_gguf(family: str) -> str:
     writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
     if family == "gemma3":  # llama.cpp's Gemma 3: one global layer in six (none to write)
         writer.add_sliding_window(config.sliding_window)
+    if arch == "qwen3moe":
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     source = gguf.GGUFReader(str(embedded_gguf_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"))
     for name, field in source.fields.items():
         if name.startswith("tokenizer."):
@@ -229,10 +243,19 @@ def tiny_gguf(family: str) -> str:
     model_arch = getattr(gguf.MODEL_ARCH, arch.upper())
     names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
     for hf_name, tensor in weights.items():
+        if ".mlp.experts." in hf_name:  # stacked below, as llama.cpp's ffn_*_exps
+            continue
         base, _, suffix = hf_name.rpartition(".")
         if family == "gemma3" and base.endswith("norm"):
             tensor = tensor + 1  # llama.cpp stores Gemma's (1 + w)
         writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.to(torch.float32).numpy())
+    for layer in range(config.num_hidden_layers):
+        for part in ("gate", "up", "down"):
+            key = f"model.layers.{layer}.mlp.experts.{{}}.{part}_proj.weight"
+            if key.format(0) in weights:
+                experts = [weights[key.format(e)] for e in range(config.num_experts)]
+                stacked = torch.stack(experts).to(torch.float32).numpy()
+                writer.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", stacked)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

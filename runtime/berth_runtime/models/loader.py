@@ -180,10 +180,12 @@ def remove_replaced_conversions(cache_root: Path, source: str, keep: Path) -> No
 
 
 def gguf_config(gguf_path: Path):
-    """transformers' config of a GGUF file, with the head size the file states: transformers
-    reads `attention.key_length` for some architectures only (not Qwen3's), and would otherwise
-    take hidden size / heads, or the config class's default. Gemma's queries are scaled as
-    llama.cpp scales them."""
+    """transformers' config of a GGUF file, with what the file states or llama.cpp assumes and
+    transformers misses: the head size (`attention.key_length`, read for some architectures only,
+    not Qwen3's: otherwise hidden size / heads, or the config class's default); Gemma's queries
+    scaled as llama.cpp scales them; and Qwen3-MoE's expert size (`expert_feed_forward_length`,
+    else the config class's default of 768) and its top-k weights renormalized, as llama.cpp
+    always does for it (no key says so)."""
     import gguf
     from transformers import AutoConfig
 
@@ -196,4 +198,9 @@ def gguf_config(gguf_path: Path):
         if arch in ("gemma2", "gemma3"):
             # llama.cpp scales Gemma's queries by the head size (no query_pre_attn_scalar key).
             config.query_pre_attn_scalar = config.head_dim
+    if arch == "qwen3moe":
+        field = reader.fields.get(f"{arch}.expert_feed_forward_length")
+        if field is not None:
+            config.moe_intermediate_size = int(field.contents())
+        config.norm_topk_prob = True
     return config
