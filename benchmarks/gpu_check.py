@@ -11,6 +11,10 @@ Three parts, then one table (stdout) and one JSON file (`--out`):
    first requests, against HF transformers' greedy decoding of the same prompt ids on the same
    device, in the same dtype, from the same weight files. In bf16 it also measures how far each
    one's log-probabilities of the answer's tokens lie from fp32's (HF fp32, teacher-forced).
+   **Tensor parallelism** (with 2 or more GPUs; skipped with a message on one): the same
+   questions on `--tp-size 2` and on one GPU, greedy, and one stream's decode time per token on
+   each. In bf16 a split model may round differently, so differing answers are reported, not
+   judged; every request must succeed.
 3. **Throughput**: the embedded model and a random-weight 1B Llama-shaped model
    (`--load-format dummy`) at 1, 32 and 256 concurrent requests of 128 tokens in and 256 out,
    through Berth's own benchmark client, each server at its defaults for the device.
@@ -67,6 +71,7 @@ class CheckConfig:
     models: list[str] = field(default_factory=lambda: ["embedded", "dummy-1b"])
     tests: bool = True
     parity: bool = True
+    tensor_parallel: bool = True
     server_args: list[str] = field(default_factory=list)
 
 
@@ -221,6 +226,45 @@ def check_parity(device: str) -> dict[str, Any]:
     return {"dtype": dtype, "max_tokens": PARITY_TOKENS, "prompts": rows}
 
 
+TP_DECODE_TOKENS = 128
+
+
+def check_tensor_parallel(device: str) -> dict[str, Any]:
+    """Part 2b: the parity questions on two processes against one, and one stream's decode time
+    per token at TP 1 and 2. On CUDA it needs 2 GPUs (else skipped, saying so); on the CPU the
+    two processes share its cores (a correctness check, not a speed-up)."""
+    import torch
+
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        count = torch.cuda.device_count()
+        return {"skipped": f"needs 2 GPUs; this machine has {count}"}
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    runs: dict[int, dict[str, Any]] = {}
+    for size in (1, 2):
+        args = ["--device", device, "--dtype", dtype, "--tp-size", str(size)]
+        with berth_server("serve", *args, name=f"gpu-check-tp{size}") as srv:
+            srv.wait_ready(timeout=600)
+            answers = [
+                berth_answer(srv.base_url, q, logprobs=False)["text"] for q in PARITY_QUESTIONS
+            ]
+            body = {
+                "text": "Tell me a long story.",
+                "sampling_params": {"max_new_tokens": TP_DECODE_TOKENS, "ignore_eos": True},
+            }
+            started = time.perf_counter()
+            httpx.post(f"{srv.base_url}/generate", json=body, timeout=600).raise_for_status()
+            per_token_ms = (time.perf_counter() - started) * 1000 / TP_DECODE_TOKENS
+        runs[size] = {"answers": answers, "ms_per_token": per_token_ms}
+    equal = sum(a == b for a, b in zip(runs[1]["answers"], runs[2]["answers"]))
+    return {
+        "dtype": dtype,
+        "equal": equal,
+        "prompts": len(PARITY_QUESTIONS),
+        "answers_tp2": runs[2]["answers"],
+        "ms_per_token": {"tp1": runs[1]["ms_per_token"], "tp2": runs[2]["ms_per_token"]},
+    }
+
+
 def dummy_model_dir(root: Path, tiny: bool) -> Path:
     """A `--load-format dummy` directory: the 1B Llama shape, or a tiny one for the CPU smoke."""
     embedded = Path(resolve_model(EMBEDDED_MODEL).path)
@@ -298,6 +342,9 @@ def run_check(cfg: CheckConfig) -> dict[str, Any]:
     if cfg.parity:
         log("part 2: greedy parity with HF transformers")
         report["parity"] = check_parity(cfg.device)
+    if cfg.tensor_parallel:
+        log("part 2b: tensor parallelism (--tp-size 2)")
+        report["tensor_parallel"] = check_tensor_parallel(cfg.device)
     if cfg.models:
         from transformers import AutoTokenizer
 
@@ -340,6 +387,17 @@ def render(report: dict[str, Any]) -> str:
     if "tests" in report:
         tests = report["tests"]
         lines.append(f"tests (pytest -m gpu): {tests['summary'] or 'no output'}")
+    if "tensor_parallel" in report:
+        tp = report["tensor_parallel"]
+        if "skipped" in tp:
+            lines.append(f"tensor parallelism: skipped ({tp['skipped']})")
+        else:
+            ms = tp["ms_per_token"]
+            lines.append(
+                f"tensor parallelism ({tp['dtype']}): {tp['equal']}/{tp['prompts']} answers on "
+                f"--tp-size 2 equal to one process's; one stream {_num(ms['tp1'], 1)} ms/token "
+                f"at TP 1, {_num(ms['tp2'], 1)} at TP 2"
+            )
     if "parity" in report:
         parity = report["parity"]
         prompts = parity["prompts"]
@@ -408,6 +466,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[CheckConfig, Path]:
     parser.add_argument("--models", default="embedded,dummy-1b", help="embedded,dummy-1b")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-parity", action="store_true")
+    parser.add_argument("--skip-tp", action="store_true", help="skip the tensor-parallel part")
     parser.add_argument("--out", type=Path, default=REPO / "bench-results" / "gpu-check.json")
     parser.add_argument("server_args", nargs="*", help="extra `berth serve` flags, after --")
     args = parser.parse_args(argv)
@@ -416,6 +475,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[CheckConfig, Path]:
         models=[m for m in args.models.split(",") if m],
         tests=not args.skip_tests,
         parity=not args.skip_parity,
+        tensor_parallel=not args.skip_tp,
         server_args=args.server_args,
     )
     unknown = set(cfg.models) - {"embedded", "dummy-1b"}

@@ -210,6 +210,9 @@ def _candidates(
             )
             continue
         per_rank = ref.accelerators_per_rank or spec.accelerator.per_rank
+        if spec.accelerator.resource != "cpu" and not ref.accelerators_per_rank:
+            # A tensor-parallel rank needs one accelerator per process.
+            per_rank = max(per_rank, isvc.spec.parallelism.tensor)
         # A pool the service has ranks in stays usable when a limit is lowered under them.
         too_small = (
             None if ref.name in held else _too_small(pool, per_rank, isvc.namespace, labels, nodes)

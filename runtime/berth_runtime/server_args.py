@@ -262,7 +262,11 @@ class ServerArgs(DataclassCli):
         default=False, metadata={"help": "Do not share cached prompt prefixes across requests."}
     )
     tp_size: int = field(
-        default=1, metadata={"help": "Tensor-parallel degree (only 1 is supported)."}
+        default=1,
+        metadata={
+            "help": "Tensor parallelism: split the model over this many processes, one per GPU "
+            "(attention heads, MLP columns, the vocabulary; gloo on CPU, for tests)."
+        },
     )
 
     watchdog_timeout: float = field(
@@ -340,8 +344,6 @@ class ServerArgs(DataclassCli):
             raise ValueError("--graceful-shutdown-timeout must be >= 0")
         if self.dp_rank is not None and self.dp_rank < 0:
             raise ValueError(f"--dp-rank must be >= 0, got {self.dp_rank}")
-        if self.tp_size != 1:
-            raise ValueError("--tp-size > 1 is not supported yet; run one rank per device")
         settle_keys(self)
 
     @property

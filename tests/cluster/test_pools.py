@@ -488,3 +488,24 @@ def test_the_sample_pools_install_and_report_the_default_gpu_node(
         eventually(reported, what="the sample pools' status")
     finally:
         plane.kubectl("delete", "-k", str(samples), "--wait=false", check=False)
+
+
+def test_a_tensor_parallel_rank_claims_a_gpu_per_process_on_one_node(
+    installed: ControlPlane, serving_namespace: str, gpu_nodes: Any, pool_names: Any
+) -> None:
+    """parallelism.tensor 2 in a pool of one GPU per rank: each rank asks for 2 GPUs and runs
+    `--tp-size 2` on a node with 2 free (one H100 node each); the pool counts 2 per rank."""
+    plane, ns = installed, serving_namespace
+    h100 = pool_names("h100")
+    apply_pools(plane, pool(h100, "h100"))
+    spec = {"pools": [{"name": h100}], "replicas": 2, "parallelism": {"tensor": 2}}
+    apply(plane, ns, isvc("split", spec))
+    body = wait_ready(plane, ns, "split")
+    assert body["status"]["pools"] == [{"pool": h100, "ranks": 2}]
+    assert nodes_of(plane, ns, "split") == ["bt-h100-0", "bt-h100-1"]
+    for pod in pods(plane, ns, rank_selector("split")):
+        (runtime,) = pod["spec"]["containers"]
+        assert runtime["resources"]["limits"][GPU] == "2"
+        at = runtime["args"].index("--tp-size")
+        assert runtime["args"][at + 1] == "2"
+    eventually(lambda: pool_status(plane, h100).get("claimed") == 4, what="the pool's claim")

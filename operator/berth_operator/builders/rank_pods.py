@@ -25,6 +25,7 @@ from berth_operator.naming import (
     rank_statefulset_name,
     selector_labels,
 )
+from berth_operator.nodes import quantity_units
 from berth_operator.plan import RankPlan, RankSet
 from berth_operator.spec import InferenceService, InferenceServiceSpec
 
@@ -174,6 +175,8 @@ def runtime_args(spec: InferenceServiceSpec) -> list[str]:
     if served_name is not None:
         args += ["--served-model-name", served_name]
     args += ["--dp-rank", f"$({c.ENV_DP_RANK})"]
+    if spec.parallelism.tensor > 1:
+        args += ["--tp-size", str(spec.parallelism.tensor)]
     args += ["--graceful-shutdown-timeout", str(spec.runtime.graceful_shutdown_seconds)]
     args += ["--model-cache-dir", c.CACHE_MOUNT]
     args += key_args(spec)
@@ -276,10 +279,23 @@ def _rank_resources(spec: InferenceServiceSpec) -> dict[str, Any]:
     limits: dict[str, Any] = {"memory": res.memory_limit or res.memory}
     if res.cpu_limit is not None:
         limits["cpu"] = res.cpu_limit
-    if res.gpus:
-        requests[res.gpu_resource] = str(res.gpus)
-        limits[res.gpu_resource] = str(res.gpus)
+    if spec.rank_gpus:
+        requests[res.gpu_resource] = str(spec.rank_gpus)
+        limits[res.gpu_resource] = str(spec.rank_gpus)
     return {"requests": requests, "limits": limits}
+
+
+def shared_memory_size(spec: InferenceServiceSpec) -> str:
+    """/dev/shm's size: resources.sharedMemory for each tensor-parallel process (NCCL keeps its
+    buffers between the GPUs of a pod there)."""
+    size, tensor = spec.resources.shared_memory, spec.parallelism.tensor
+    if tensor == 1:
+        return size
+    total = quantity_units(size) * tensor
+    for suffix, unit in (("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
+        if total % unit == 0:
+            return f"{total // unit}{suffix}"
+    return str(total)
 
 
 def _rank_volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
@@ -288,7 +304,7 @@ def _rank_volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         {"name": "cache", "emptyDir": {}},
         {
             "name": "dshm",
-            "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shared_memory},
+            "emptyDir": {"medium": "Memory", "sizeLimit": shared_memory_size(spec)},
         },
     ]
     model = spec.model

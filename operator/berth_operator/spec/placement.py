@@ -56,7 +56,9 @@ class ResourcesSpec:
 @dataclass(frozen=True)
 class Parallelism:
     tensor: int = integer(
-        "Tensor-parallel degree within a rank (the runtime supports 1 today).",
+        "Tensor-parallel degree within a rank: the model split over this many processes, one "
+        "per GPU (berth serve --tp-size). The rank pod requests this many GPUs unless "
+        "resources.gpus says otherwise.",
         1,
         minimum=1,
         maximum=8,

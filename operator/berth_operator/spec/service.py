@@ -77,6 +77,7 @@ class SpecError(ValueError):
             "!has(self.runtime) || !has(self.runtime.args) || !has(self.runtime.args.device) "
             "|| self.runtime.args.device != 'cuda' "
             "|| (has(self.resources) && self.resources.gpus > 0) "
+            "|| (has(self.parallelism) && self.parallelism.tensor > 1) "
             "|| (has(self.pools) && size(self.pools) > 0)",
             "runtime.args.device cuda needs resources.gpus of at least 1 (or pools)",
         ),
@@ -130,17 +131,21 @@ class InferenceServiceSpec:
         return min(max(self.replicas, self.autoscaling.min_replicas), self.autoscaling.max_replicas)
 
     @property
+    def rank_gpus(self) -> int:
+        """GPUs each rank pod requests: resources.gpus, or parallelism.tensor (one GPU per
+        tensor-parallel process) when that is above 1 and no count is given, unless the runtime
+        is told to run on the CPU (`runtime.args.device: cpu`). With pools, the pool decides."""
+        gpus, tensor = self.resources.gpus, self.parallelism.tensor
+        if gpus or tensor == 1 or self.pools or self.runtime.args.device == "cpu":
+            return gpus
+        return tensor
+
+    @property
     def has_router(self) -> bool:
         return self.routing.router_replicas > 0
 
     def check(self, report: Report) -> None:
         tensor, gpus = self.parallelism.tensor, self.resources.gpus
-        if tensor != 1:
-            report(
-                "parallelism.tensor",
-                f"{tensor} is not supported by the runtime yet (only 1); "
-                "scale out with spec.replicas (data-parallel ranks) instead",
-            )
         if gpus and gpus < tensor:
             report(
                 "resources.gpus",
@@ -153,7 +158,7 @@ class InferenceServiceSpec:
                 "with pools, each pool decides the accelerators: leave it unset and use "
                 "pools[].acceleratorsPerRank",
             )
-        if self.runtime.args.device == "cuda" and gpus == 0 and not self.pools:
+        if self.runtime.args.device == "cuda" and self.rank_gpus == 0 and not self.pools:
             report(
                 "runtime.args.device",
                 "cuda needs GPUs: set resources.gpus to at least 1, or use device auto or cpu",

@@ -68,7 +68,10 @@ class Engine:
                 target=target,
                 args=(self.args, self.ports, model_path, writer),
                 name=name,
-                daemon=True,
+                # A daemonic process may not start processes: the scheduler starts its
+                # tensor-parallel workers. It dies with this process either way (its
+                # parent-death signal), and `stop` ends it before this process exits.
+                daemon=not (name == "scheduler" and self.args.tp_size > 1),
             )
             proc.start()
             writer.close()

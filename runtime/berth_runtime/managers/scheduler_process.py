@@ -22,7 +22,9 @@ from berth_runtime.io_struct import (
 from berth_runtime.kernels import cpu as cpu_kernels
 from berth_runtime.managers.engine_liveness import StepClock, report_long_steps
 from berth_runtime.managers.scheduler import Scheduler
+from berth_runtime.model_executor import tensor_parallel
 from berth_runtime.model_executor.model_runner import LoadProgress, ModelRunner
+from berth_runtime.model_executor.tp_worker import start_workers
 from berth_runtime.models.model_files import ModelFiles, read_model_files
 from berth_runtime.server_args import ServerArgs
 from berth_runtime.utils.zmq_ipc import PortArgs, Receiver, Sender
@@ -55,7 +57,11 @@ def run_scheduler_process(
         files = files or read_model_files(model_path)
         tokenizer = files.tokenizer
         progress = LoadProgress(report=report)
-        runner = ModelRunner(model_path, args, progress, config=files.config)
+        tp = None
+        if args.tp_size > 1:  # processes 1..N-1 load their shares meanwhile
+            start_workers(args, model_path)
+            tp = tensor_parallel.current()
+        runner = ModelRunner(model_path, args, progress, config=files.config, tp=tp)
         grammar = None
         if args.grammar_backend == "xgrammar":
             grammar = GrammarCompiler.for_model(model_path, runner.vocab_size, files.eos_token_ids)
@@ -77,6 +83,7 @@ def run_scheduler_process(
         {
             "status": "ready",
             "architecture": runner.architecture,
+            "tp_size": runner.tp.size,
             "context_len": runner.context_len,
             "max_total_num_tokens": runner.kv_pool.size,
             "vocab_size": runner.vocab_size,

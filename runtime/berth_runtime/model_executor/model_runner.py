@@ -20,6 +20,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from berth_runtime.kernels import cpu as cpu_kernels
 from berth_runtime.mem_cache.kv_pool import ReqToTokenPool, TokenToKVPool
+from berth_runtime.model_executor import tensor_parallel
 from berth_runtime.model_executor.cuda_graph_runner import DecodeGraphRunner
 from berth_runtime.model_executor.device import (
     berth_cpu_problem,
@@ -28,6 +29,7 @@ from berth_runtime.model_executor.device import (
     triton_problem,
 )
 from berth_runtime.model_executor.forward_batch import DecodeLogits, ForwardBatch
+from berth_runtime.model_executor.tp_worker import device_of, for_broadcast
 from berth_runtime.models.dummy_weights import DEFAULT_INIT_STD, init_dummy_weights
 from berth_runtime.models.gguf_q4 import can_run_int4
 from berth_runtime.models.layers.linear import can_prepack_cpu_linears
@@ -111,13 +113,19 @@ class ModelRunner:
         args: ServerArgs,
         progress: LoadProgress | None = None,
         config: PretrainedConfig | None = None,
+        tp: tensor_parallel.TPGroup | None = None,
     ) -> None:
         """Load `model_path` (a Hugging Face directory; `args.model` is its source) as `args`
         says: dtype, device, context length, KV capacity, batch slots, 4-bit weights, kernels;
         with --load-format dummy, random weights instead of its files'. `config`: its config,
-        if read already."""
+        if read already. `tp`: this process's place among the rank's tensor-parallel processes
+        (it holds its share of the weights and of the KV cache's heads)."""
         torch.manual_seed(args.random_seed)
-        self.device = resolve_device(args.device)
+        self.tp = tp or tensor_parallel.current()
+        tensor_parallel.set_current(self.tp)  # read by the layers as they are built
+        self.device = (
+            device_of(args, self.tp.rank) if self.tp.size > 1 else resolve_device(args.device)
+        )
         self.dtype = resolve_dtype(args.dtype, self.device)
         context_length = args.context_length
         self.config = language_config(config or AutoConfig.from_pretrained(model_path))
@@ -162,6 +170,8 @@ class ModelRunner:
         q4_rows = args.gguf_q4_max_batch
         if q4_rows is None:
             q4_rows = self._default_q4_rows(args)
+        if self.tp.size > 1:
+            q4_rows = 0  # the 4-bit groups and the 8-bit lm_head are whole-model copies
         if self.deterministic and q4_rows > 0:
             q4_rows = args.max_running_requests  # one weight format for every decode step
         self.gguf_q4_max_batch = q4_rows
@@ -181,7 +191,8 @@ class ModelRunner:
         # What the model holds in its own dtype (the 4-bit and 8-bit weights: q4_bytes and
         # int8_lm_head_bytes).
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        self.fused_decode = model.enable_fused_decode()  # needs berth_cpu: checks it itself
+        # Needs berth_cpu (it checks itself), and the whole model: its C++ step has no collective.
+        self.fused_decode = self.tp.size == 1 and model.enable_fused_decode()
         # Only SDPA reads an attention mask; paged kernels take each sequence's length.
         self.needs_attn_mask = model.layers[0].self_attn.paged_attention is None
         self.model = model.eval()
@@ -192,6 +203,10 @@ class ModelRunner:
         kv_tokens = args.max_total_tokens or self._default_kv_tokens(
             attn.num_kv_heads, attn.head_dim
         )
+        if self.tp.size > 1:  # process 0 hands out the slots: every process has as many
+            agreed = torch.tensor([kv_tokens], dtype=torch.int64, device=self.device)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+            kv_tokens = int(agreed.item())
         self.kv_pool = TokenToKVPool(
             kv_tokens, self.num_layers, attn.num_kv_heads, attn.head_dim, self.dtype, self.device
         )
@@ -201,6 +216,10 @@ class ModelRunner:
         # CUDA graphs need attention with no host sync: Triton's reads K/V in place.
         self.graph_runner: DecodeGraphRunner | None = None
         graphs = self.attention_backend == "triton" and not args.disable_cuda_graph
+        if self.tp.size > 1:
+            graphs = (
+                False  # not yet captured with the collectives: tensor-parallel steps run eagerly
+            )
         if graphs and self.device.type == "cuda" and not model.cuda_graphs:
             logger.info("%s steps run eagerly: its MoE layers group tokens on the host", arch)
             graphs = False
@@ -346,7 +365,10 @@ class ModelRunner:
         return self._decode_on_int4(sequences) == self._decode_on_int4(rows)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Final hidden states of every new token, [T, hidden]."""
+        """Final hidden states of every new token, [T, hidden]; with tensor parallelism, the
+        other processes run the same pass on their shares (see `tp_worker`)."""
+        if self.tp.size > 1:
+            tensor_parallel.broadcast(("forward", for_broadcast(batch)))
         return self.model(batch, self.kv_pool)
 
     def forward_decode(
@@ -374,11 +396,14 @@ class ModelRunner:
             self.device,
             with_mask=self.needs_attn_mask,
         )
-        return DecodeLogits(self.compute_logits(self.model(batch, self.kv_pool)))
+        return DecodeLogits(self.compute_logits(self.forward(batch)))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 vocab scores [rows, V]; each row's leading candidates are exact (see
-        `models.layers.logits.exact_top_logits`)."""
+        `models.layers.logits.exact_top_logits`). With tensor parallelism every process scores
+        its share of the vocabulary."""
+        if self.tp.size > 1:
+            tensor_parallel.broadcast(("logits", hidden.cpu()))
         return self.model.compute_logits(hidden)
 
 

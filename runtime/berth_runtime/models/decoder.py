@@ -12,12 +12,14 @@ import torch
 from torch import nn
 
 from berth_runtime.mem_cache.kv_pool import TokenToKVPool
+from berth_runtime.model_executor import tensor_parallel
 from berth_runtime.model_executor.forward_batch import ForwardBatch
 from berth_runtime.models.cpu_weights import CpuWeightPaths
 from berth_runtime.models.int8_lm_head import Int8LmHead
 from berth_runtime.models.layers.attention import Attention
 from berth_runtime.models.layers.linear import linear, packed_linear
 from berth_runtime.models.layers.logits import exact_top_logits
+from berth_runtime.models.layers.mlp import GatedMLP
 from berth_runtime.models.layers.moe import SparseMoE
 from berth_runtime.models.layers.norm import RMSNorm
 from berth_runtime.models.layers.rotary import RopeTables, RotaryEmbedding
@@ -68,14 +70,20 @@ class CausalLM(CpuWeightPaths, nn.Module):
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # The vocabulary rows this process holds (all of them without tensor parallelism).
+        tp = tensor_parallel.current()
+        self.vocab = tp.part(config.vocab_size)
+        self.vocab_widths = [
+            len(tensor_parallel.TPGroup(r, tp.size).part(config.vocab_size)) for r in range(tp.size)
+        ]
+        self.embed_tokens = nn.Embedding(len(self.vocab), config.hidden_size)
         layers = range(config.num_hidden_layers)
         self.layers = nn.ModuleList(self.build_layer(config, i) for i in layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, len(self.vocab), bias=False)
         self.prepacked = False  # set by prepack_cpu_linears
         self.packed_lm_head: torch.Tensor | None = None
         self.int8_lm_head: Int8LmHead | None = None  # set by attach_int8_lm_head
@@ -93,7 +101,17 @@ class CausalLM(CpuWeightPaths, nn.Module):
         self.rotary.rebuild(device)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        return self.embed_lookup(input_ids)
+
+    def embed_lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embedding rows; with tensor parallelism each process looks up the ids in
+        its share of the vocabulary (zeros for the rest), and the shares are summed."""
+        if len(self.vocab) == self.config.vocab_size:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab.start
+        inside = (local >= 0) & (local < len(self.vocab))
+        rows = self.embed_tokens(local.clamp(0, len(self.vocab) - 1))
+        return tensor_parallel.all_reduce(rows * inside.unsqueeze(-1).to(rows.dtype))
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: TokenToKVPool) -> torch.Tensor:
@@ -141,7 +159,8 @@ class CausalLM(CpuWeightPaths, nn.Module):
         if self.final_logit_softcap:
             cap = self.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
-        return logits
+        # Tensor parallelism: each process scored its share of the vocabulary.
+        return tensor_parallel.gather_columns(logits, self.vocab_widths)
 
     def lm_head_weight(self) -> torch.Tensor:
         """The output projection [V, hidden] in plain layout (the tied embedding, if tied)."""
@@ -194,6 +213,8 @@ class CausalLM(CpuWeightPaths, nn.Module):
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 # Tied checkpoints may store the shared matrix under either name.
                 name = "embed_tokens.weight"
+            if tensor_parallel.current().size > 1 and ".experts." not in name:
+                tensor = self._share(name, tensor)  # experts: SparseMoE.load_expert
             loaded.add(self._load_one(params, name, hf_name, tensor))
         missing = set(params) - loaded
         if missing:
@@ -226,6 +247,50 @@ class CausalLM(CpuWeightPaths, nn.Module):
         offset = getattr(self.get_submodule(name.rpartition(".")[0]), "weight_offset", 0.0)
         param.data.copy_(tensor + offset if offset else tensor)
         return name
+
+    def _share(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This process's part of a whole checkpoint tensor (tensor parallelism; `name` as Berth
+        names it): query/key/value heads and gate/up columns as rows, o_proj's and down_proj's
+        as columns (their biases on process 0 only: the outputs are summed), the vocabulary's
+        rows; the rest whole."""
+        module_name, _, leaf = name.rpartition(".")
+        owner_name, _, projection = module_name.rpartition(".")
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            return tensor[self.vocab.start : self.vocab.stop]
+        if not owner_name:
+            return tensor
+        owner = self.get_submodule(owner_name)
+        if isinstance(owner, Attention):
+            dim = owner.head_dim
+            q = slice(owner.q_heads.start * dim, owner.q_heads.stop * dim)
+            kv = slice(owner.kv_heads.start * dim, owner.kv_heads.stop * dim)
+            if projection == "q_proj":
+                return tensor[q]
+            if projection in ("k_proj", "v_proj"):
+                return tensor[kv]
+            if projection == "qkv_proj":  # fused in the checkpoint (Phi-3)
+                q_all = self.config.num_attention_heads * dim
+                q_part, k_part, v_part = tensor.split(
+                    [q_all, (tensor.shape[0] - q_all) // 2, (tensor.shape[0] - q_all) // 2]
+                )
+                return torch.cat((q_part[q], k_part[kv], v_part[kv]))
+            if projection == "o_proj":
+                return tensor[:, q] if leaf == "weight" else self._on_first(tensor)
+        if isinstance(owner, GatedMLP):
+            columns = slice(owner.inter.start, owner.inter.stop)
+            if projection in ("gate_proj", "up_proj"):
+                return tensor[columns]
+            if projection == "gate_up_proj":  # fused in the checkpoint (Phi-3)
+                gate, up = tensor.chunk(2)
+                return torch.cat((gate[columns], up[columns]))
+            if projection == "down_proj":
+                return tensor[:, columns] if leaf == "weight" else self._on_first(tensor)
+        return tensor
+
+    @staticmethod
+    def _on_first(bias: torch.Tensor) -> torch.Tensor:
+        """A bias added after the processes' outputs are summed: process 0 adds it, alone."""
+        return bias if tensor_parallel.current().rank == 0 else torch.zeros_like(bias)
 
     def _fused_slice(self, param: torch.Tensor, fused_name: str, index: int) -> torch.Tensor:
         """The rows of a fused projection's weight (or bias) that part `index` fills."""

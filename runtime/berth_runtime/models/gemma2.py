@@ -74,7 +74,7 @@ class Gemma2ForCausalLM(CausalLM):
         return GemmaDecoderLayer(config, layer_id, qk_norm=False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return scaled_embedding(self.embed_tokens(input_ids), self.config.hidden_size)
+        return scaled_embedding(self.embed_lookup(input_ids), self.config.hidden_size)
 
 
 def scaled_embedding(hidden: torch.Tensor, hidden_size: int) -> torch.Tensor:

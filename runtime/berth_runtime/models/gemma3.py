@@ -38,7 +38,7 @@ class Gemma3ForCausalLM(CausalLM):
         self.rotary_global.rebuild(device)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return scaled_embedding(self.embed_tokens(input_ids), self.config.hidden_size)
+        return scaled_embedding(self.embed_lookup(input_ids), self.config.hidden_size)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: TokenToKVPool) -> torch.Tensor:

@@ -37,6 +37,12 @@ def test_quick_cpu_run_reports_tests_parity_and_throughput(tmp_path):
     assert [p["equal"] for p in parity["prompts"]] == [True, True, True]
     assert parity["prompts"][0]["berth"] == "The capital of France is Paris."
 
+    # Part 2b on CPU: two processes (gloo) sharing the cores, fp32: the same answers.
+    tp = report["tensor_parallel"]
+    assert tp["dtype"] == "float32" and tp["equal"] == tp["prompts"] == 3
+    assert tp["ms_per_token"]["tp1"] > 0 and tp["ms_per_token"]["tp2"] > 0
+    assert "answers on --tp-size 2 equal to one process's" in proc.stdout
+
     # Part 3: both models, both concurrencies, every request answered with tokens.
     assert [m["model"] for m in report["bench"]] == ["embedded", "dummy-1b"]
     for model in report["bench"]:

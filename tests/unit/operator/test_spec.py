@@ -113,7 +113,11 @@ def test_model_sources(uri: str, expected: dict[str, str]) -> None:
         ({"replicas": 65}, "spec.replicas: must be at most 64"),
         ({"replicas": "3"}, "spec.replicas: must be an integer, got '3'"),
         ({"replicas": True}, "spec.replicas: must be an integer"),
-        ({"parallelism": {"tensor": 2}, "resources": {"gpus": 2}}, "not supported by the runtime"),
+        (
+            {"parallelism": {"tensor": 4}, "resources": {"gpus": 2}},
+            "2 GPUs cannot hold parallelism.tensor=4",
+        ),
+        ({"runtime": {"extraArgs": ["--tp-size", "2"]}}, "--tp-size is set by the operator"),
         ({"resources": {"gpus": 1, "memory": "lots"}}, "'lots' is not a quantity"),
         ({"runtime": {"args": {"dtype": "int4"}}}, "spec.runtime.args.dtype: 'int4' is not one of"),
         ({"runtime": {"args": {"device": "cuda"}}}, "cuda needs GPUs"),

@@ -72,7 +72,7 @@ def test_load_format_is_auto_or_dummy():
         {"port": 0},
         {"max_running_requests": 0},
         {"dp_rank": -1},
-        {"tp_size": 2},
+        {"tp_size": 0},
         {"gguf_q4_max_batch": -1},
     ],
 )

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from berth_runtime.mem_cache.kv_pool import TokenToKVPool
+from berth_runtime.model_executor import tensor_parallel
 from berth_runtime.model_executor.forward_batch import ForwardBatch
 from berth_runtime.models.layers.linear import run_linear
 from berth_runtime.models.layers.norm import RMSNorm
@@ -52,8 +53,17 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        tp = tensor_parallel.current()
+        if qk_norm == "whole" and tp.size > 1:
+            raise ValueError(
+                "--tp-size > 1 cannot split this model's QK-norm over all heads at once (OLMo 2)"
+            )
+        # The heads this process holds (all of them without tensor parallelism).
+        self.q_heads, self.kv_heads = tp.heads(
+            config.num_attention_heads, config.num_key_value_heads
+        )
+        self.num_heads = len(self.q_heads)
+        self.num_kv_heads = len(self.kv_heads)
         self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -147,7 +157,8 @@ class Attention(nn.Module):
                 )
         else:
             out = self._sdpa(q, kv_cache, batch, batch.kv_indices, batch.attn_mask)
-        return run_linear(self.o_proj, out.reshape(num_tokens, self.q_size), batch.decode_seqs)
+        out = run_linear(self.o_proj, out.reshape(num_tokens, self.q_size), batch.decode_seqs)
+        return tensor_parallel.all_reduce(out)  # each process's heads' share of the output
 
     def _windowed(
         self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, window: int

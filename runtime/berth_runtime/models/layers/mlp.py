@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from berth_runtime.model_executor import tensor_parallel
 from berth_runtime.models.layers.linear import run_linear
 
 Activation = Literal["silu", "gelu_tanh"]
@@ -43,7 +44,9 @@ class GatedMLP(nn.Module):
         activation: Activation = "silu",
     ) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
+        # The intermediate columns this process holds (all of them without tensor parallelism).
+        self.inter = tensor_parallel.current().part(intermediate_size)
+        self.intermediate_size = intermediate_size = len(self.inter)
         self.activation = activation
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
@@ -51,4 +54,5 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor, decode_seqs: int) -> torch.Tensor:
         gate_up = run_linear(self.gate_up_proj, x, decode_seqs)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return run_linear(self.down_proj, gated(gate, up, self.activation), decode_seqs)
+        out = run_linear(self.down_proj, gated(gate, up, self.activation), decode_seqs)
+        return tensor_parallel.all_reduce(out)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from berth_runtime.model_executor import tensor_parallel
 from berth_runtime.models.layers.linear import packed_linear, run_linear
 from berth_runtime.models.layers.mlp import Activation, gated
 
@@ -36,7 +37,10 @@ class SparseMoE(nn.Module):
         self.top_k = top_k
         self.normalize_top_k = normalize_top_k
         self.activation = activation
-        self.intermediate_size = intermediate_size
+        # Each expert's intermediate columns this process holds (tensor parallelism: every
+        # process runs every expert on its share of them).
+        self.inter = tensor_parallel.current().part(intermediate_size)
+        self.intermediate_size = intermediate_size = len(self.inter)
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts_gate_up = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size)
@@ -67,6 +71,9 @@ class SparseMoE(nn.Module):
         return experts, weights.to(x.dtype)
 
     def forward(self, x: torch.Tensor, decode_seqs: int) -> torch.Tensor:
+        return tensor_parallel.all_reduce(self._experts_of(x, decode_seqs))
+
+    def _experts_of(self, x: torch.Tensor, decode_seqs: int) -> torch.Tensor:
         experts, weights = self.route(x, decode_seqs)
         if self.fused is not None:
             return self.fused(
@@ -133,23 +140,25 @@ class SparseMoE(nn.Module):
     def load_expert(self, name: str, tensor: torch.Tensor) -> bool:
         """Copy one checkpoint tensor named relative to this layer's `experts.`; False if the name
         is not an expert weight."""
-        size = self.intermediate_size
+        size, inter = self.intermediate_size, self.inter
+        columns = slice(inter.start, inter.stop)  # this process's share (tensor parallelism)
         if name == "gate_up_proj":  # stacked [E, 2I, H]
-            self.experts_gate_up.data.copy_(tensor)
+            gate, up = tensor.chunk(2, dim=1)
+            self.experts_gate_up.data.copy_(torch.cat((gate[:, columns], up[:, columns]), dim=1))
             return True
         if name == "down_proj":  # stacked [E, H, I]
-            self.experts_down.data.copy_(tensor)
+            self.experts_down.data.copy_(tensor[:, :, columns])
             return True
         index, _, part = name.partition(".")
         if not index.isdigit():
             return False
         expert = int(index)
         if part == "gate_proj.weight":
-            self.experts_gate_up.data[expert, :size].copy_(tensor)
+            self.experts_gate_up.data[expert, :size].copy_(tensor[columns])
         elif part == "up_proj.weight":
-            self.experts_gate_up.data[expert, size:].copy_(tensor)
+            self.experts_gate_up.data[expert, size:].copy_(tensor[columns])
         elif part == "down_proj.weight":
-            self.experts_down.data[expert].copy_(tensor)
+            self.experts_down.data[expert].copy_(tensor[:, columns])
         else:
             return False
         return True
