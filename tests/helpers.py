@@ -8,7 +8,7 @@ import importlib.util
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -94,6 +94,34 @@ class RunningServer(ServerProcess):
             return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
         except psutil.NoSuchProcess:
             return []
+
+
+def kill_mid_request(server: RunningServer, victim: Any) -> None:
+    """Kill `victim` (a psutil.Process of the server's) while a long request runs: the request
+    must end with a 5xx, not hang, and the server exit non-zero."""
+    import threading
+
+    import httpx
+
+    result: dict = {}
+    body = {"text": "Go on:", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    thread = threading.Thread(
+        target=lambda: result.update(
+            r=httpx.post(f"{server.base_url}/generate", json=body, timeout=60)
+        )
+    )
+    thread.start()
+    wait_for(
+        lambda: httpx.get(f"{server.base_url}/get_load").json()["num_inflight_requests"] == 1,
+        30,
+        what="the request to start",
+    )
+    name = " ".join(victim.cmdline()[:1])
+    victim.kill()
+    thread.join(30)
+    assert not thread.is_alive(), f"the request in flight hung after {name} died"
+    assert result["r"].status_code >= 500
+    assert server.proc.wait(30) != 0
 
 
 def scrape(base_url: str) -> dict[tuple[str, frozenset], float]:

@@ -21,6 +21,7 @@ from tests.helpers import (
     RunningServer,
     embedded_gguf_dir,
     embedded_model_dir,
+    kill_mid_request,
     live_pids,
     wait_for,
 )
@@ -262,23 +263,6 @@ def test_dead_child_fails_requests_and_exits_nonzero(victim: str):
     try:
         procs = [psutil.Process(pid) for pid in srv.child_pids()]
         target = next(p for p in procs if victim in " ".join(p.cmdline()) or p.name() == victim)
-        result: dict = {}
-        body = {"text": "Go on:", "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
-        t = threading.Thread(
-            target=lambda: result.update(
-                r=httpx.post(f"{srv.base_url}/generate", json=body, timeout=60)
-            )
-        )
-        t.start()
-        wait_for(
-            lambda: httpx.get(f"{srv.base_url}/get_load").json()["num_inflight_requests"] == 1,
-            30,
-            what="the request to start",
-        )
-        target.kill()
-        t.join(30)
-        assert not t.is_alive(), "the in-flight request hung after its engine died"
-        assert result["r"].status_code >= 500
-        assert srv.proc.wait(30) != 0
+        kill_mid_request(srv, target)
     finally:
         srv.stop()

@@ -21,7 +21,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.helpers import RunningServer, embedded_model_dir, wait_for
+from tests.helpers import RunningServer, embedded_model_dir, kill_mid_request, wait_for
 from tests.tiny_models import hf_greedy, tiny_model_dir
 
 LOGPROB_BOUND = 1e-3
@@ -158,24 +158,7 @@ def test_a_killed_worker_fails_the_request_and_ends_the_rank() -> None:
             for p in (psutil.Process(pid) for pid in server.child_pids())
             if "tp-worker" in " ".join(p.cmdline())
         ]
-        result: dict = {}
-        body = {"text": "Go on:", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
-        thread = threading.Thread(
-            target=lambda: result.update(
-                r=httpx.post(f"{server.base_url}/generate", json=body, timeout=60)
-            )
-        )
-        thread.start()
-        wait_for(
-            lambda: httpx.get(f"{server.base_url}/get_load").json()["num_inflight_requests"] == 1,
-            30,
-            what="the request to start",
-        )
-        worker.kill()
-        thread.join(30)
-        assert not thread.is_alive(), "the request hung after a tensor-parallel worker died"
-        assert result["r"].status_code >= 500
-        assert server.proc.wait(30) != 0
+        kill_mid_request(server, worker)
     finally:
         server.stop()
 
