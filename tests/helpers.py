@@ -96,9 +96,12 @@ class RunningServer(ServerProcess):
             return []
 
 
-def kill_mid_request(server: RunningServer, victim: Any) -> None:
-    """Kill `victim` (a psutil.Process of the server's) while a long request runs: the request
-    must end with a 5xx, not hang, and the server exit non-zero."""
+def kill_mid_request(
+    server: RunningServer, victim: Any, *, freeze: bool = False, within: float = 30
+) -> None:
+    """Kill `victim` (a psutil.Process of the server's), or freeze it (SIGSTOP: a hang), while a
+    long request runs: within `within` seconds the request must end with a 5xx, not hang, and
+    the server exit non-zero."""
     import threading
 
     import httpx
@@ -107,7 +110,7 @@ def kill_mid_request(server: RunningServer, victim: Any) -> None:
     body = {"text": "Go on:", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
     thread = threading.Thread(
         target=lambda: result.update(
-            r=httpx.post(f"{server.base_url}/generate", json=body, timeout=60)
+            r=httpx.post(f"{server.base_url}/generate", json=body, timeout=within + 60)
         )
     )
     thread.start()
@@ -117,11 +120,13 @@ def kill_mid_request(server: RunningServer, victim: Any) -> None:
         what="the request to start",
     )
     name = " ".join(victim.cmdline()[:1])
-    victim.kill()
-    thread.join(30)
-    assert not thread.is_alive(), f"the request in flight hung after {name} died"
+    victim.suspend() if freeze else victim.kill()
+    thread.join(within)
+    assert not thread.is_alive(), (
+        f"the request in flight hung after {name} {'froze' if freeze else 'died'}"
+    )
     assert result["r"].status_code >= 500
-    assert server.proc.wait(30) != 0
+    assert server.proc.wait(within) != 0
 
 
 def scrape(base_url: str) -> dict[tuple[str, frozenset], float]:

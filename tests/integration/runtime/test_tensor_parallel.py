@@ -199,3 +199,20 @@ def test_sigterm_to_the_group_drains_then_every_process_exits() -> None:
         15,
         what="every process to exit",
     )
+
+
+def test_a_hung_worker_fails_the_request_and_ends_the_rank_at_the_watchdog() -> None:
+    """A worker that stops answering (SIGSTOP) holds up process 0 in a collective: the step
+    outlasts --watchdog-timeout, the request gets a 5xx and the server exits non-zero; the
+    frozen worker goes with its scheduler (the parent-death signal)."""
+    server = serve("--tp-size", "2", "--watchdog-timeout", "10")
+    try:
+        (worker,) = [
+            p
+            for p in (psutil.Process(pid) for pid in server.child_pids())
+            if "tp-worker" in " ".join(p.cmdline())
+        ]
+        kill_mid_request(server, worker, freeze=True, within=45)
+        wait_for(lambda: not psutil.pid_exists(worker.pid) or worker.status() == "zombie", 15)
+    finally:
+        server.stop()
