@@ -35,9 +35,11 @@ from berth_runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-# Collectives wait this long for a process that is still loading its weights (a large model's
-# share can take minutes); a worker that hangs while serving is the watchdog's to end.
-COLLECTIVE_TIMEOUT_S = 1800.0
+# Collectives never time out: a worker waits for process 0's next pass however long the rank
+# stays idle (gloo's default of 30 minutes would end an idle rank), and process 0 for a worker
+# that is still loading its share. Process 0 exiting closes the connections, which a waiting
+# worker sees at once; a process that hangs while serving is the watchdog's to end.
+COLLECTIVE_TIMEOUT_S = 10 * 365 * 24 * 3600.0
 
 
 def device_of(args: ServerArgs, rank: int) -> torch.device:
