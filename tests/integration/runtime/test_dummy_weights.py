@@ -12,7 +12,7 @@ import torch
 from berth_common.cli import berth_command
 from berth_runtime.model_executor.model_runner import ModelRunner
 from berth_runtime.models.dummy_weights import write_dummy_model_dir
-from berth_runtime.models.loader import ModelSourceError, resolve_model
+from berth_runtime.models.loader import SOURCE_FILE, ModelSourceError, resolve_model
 from berth_runtime.server_args import ServerArgs
 from tests.helpers import (
     REDUCED_DTYPE,
@@ -61,7 +61,10 @@ def first_logits(runner: ModelRunner) -> torch.Tensor:
 
 def test_the_directory_holds_what_its_source_does_but_the_weights(dummy_dir: Path):
     source = {p.name for p in Path(embedded_model_dir()).iterdir()}
-    assert {p.name for p in dummy_dir.iterdir()} == source - {"model.safetensors", "q4"}
+    # Not the model: its weights, the GGUF's 4-bit groups, and the conversion cache's record of
+    # the file it came from.
+    not_model = {"model.safetensors", "q4", SOURCE_FILE}
+    assert {p.name for p in dummy_dir.iterdir()} == source - not_model
     assert "chat_template.jinja" in source  # the chat API needs it
 
 
