@@ -41,6 +41,8 @@ class GenerateReqInput(msgspec.Struct, kw_only=True):
     # Where the client put the grammar (an OpenAI field such as `response_format`): the field a
     # refused grammar's 400 names, instead of `sampling_params.<kind>`.
     grammar_param: str | None = None
+    # The LoRA adapter to run under (None: the base model).
+    lora_name: str | None = None
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, gc=False):
@@ -129,6 +131,7 @@ class TokenizedGenerateReqInput(_Msg):
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     priority: int | None = None
+    lora_name: str | None = None
 
 
 class AbortReq(_Msg):
@@ -144,7 +147,25 @@ class FlushCacheReq(_Msg):
     """Drop every cached prefix; only done while the scheduler is idle."""
 
 
-ToScheduler = TokenizedGenerateReqInput | AbortReq | FlushCacheReq
+class LoadLoraAdapterReq(_Msg):
+    """Read a PEFT adapter directory and serve it under `name`."""
+
+    req_id: str
+    name: str
+    path: str
+
+
+class UnloadLoraAdapterReq(_Msg):
+    """Stop serving adapter `name`: new requests for it are refused at once, and it is dropped
+    (its cached prefixes with it) when its running and queued requests are done."""
+
+    req_id: str
+    name: str
+
+
+ToScheduler = (
+    TokenizedGenerateReqInput | AbortReq | FlushCacheReq | LoadLoraAdapterReq | UnloadLoraAdapterReq
+)
 
 
 # --- scheduler -> detokenizer -------------------------------------------------------------------
@@ -234,6 +255,9 @@ class SchedulerStats(_Msg):
     generated_tokens: int = 0  # output tokens since start, running requests included
     spec_draft_tokens: int = 0  # speculative decoding: draft tokens proposed since start
     spec_accepted_tokens: int = 0  # ... and accepted
+    # LoRA: the adapters in device slots, ready to run, and those queued requests wait for.
+    lora_running: list[str] = msgspec.field(default_factory=list)
+    lora_waiting: list[str] = msgspec.field(default_factory=list)
 
 
 class SchedulerBusy(_Msg):
@@ -249,5 +273,14 @@ class FlushCacheOut(_Msg):
     message: str = ""
 
 
+class LoraAdapterOut(_Msg):
+    """The answer to a Load/UnloadLoraAdapterReq of the same `req_id`."""
+
+    req_id: str
+    success: bool
+    message: str = ""
+    status_code: int = 200
+
+
 ToDetokenizer = BatchOutput | SchedulerStats
-ToTokenizer = BatchOutput | SchedulerStats | SchedulerBusy | FlushCacheOut
+ToTokenizer = BatchOutput | SchedulerStats | SchedulerBusy | FlushCacheOut | LoraAdapterOut

@@ -124,6 +124,24 @@ class MetricsCollector:
         self.num_requests = counter("sglang:num_requests", "Finished requests (aborted included)")
         self.num_aborted = counter("sglang:num_aborted_requests", "Aborted requests")
 
+        # LoRA adapters (--enable-lora). The Inference Extension's endpoint picker reads
+        # vllm:lora_requests_info for adapter affinity: its value is the time of the update, its
+        # labels the most adapters a batch holds and, comma-separated, those in device slots
+        # (ready to run) and those queued requests wait for.
+        self.lora_requests = Counter(
+            "sglang:lora_requests",
+            "Finished requests per LoRA adapter (aborted included)",
+            [*names, "lora_name"],
+            registry=self.registry,
+        )
+        self.lora_requests_info = Gauge(
+            "vllm:lora_requests_info",
+            "LoRA adapters: max_lora, running_lora_adapters, waiting_lora_adapters",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=self.registry,
+        )
+        self.max_lora: int | None = None  # set by set_engine_info when LoRA is on
+
         # HTTP.
         self.http_requests = Counter(
             "sglang:http_requests",
@@ -138,8 +156,11 @@ class MetricsCollector:
             registry=self.registry,
         )
 
-    def set_engine_info(self, context_len: int, max_total_num_tokens: int) -> None:
+    def set_engine_info(
+        self, context_len: int, max_total_num_tokens: int, max_lora: int | None = None
+    ) -> None:
         """What the engine reported once ready; the cache's size is fixed from then on."""
+        self.max_lora = max_lora or None
         self.context_len.set(context_len)
         self.max_total_num_tokens.set(max_total_num_tokens)
         # One label set only: a stale one left beside it would give a scraper two geometries.
@@ -163,6 +184,13 @@ class MetricsCollector:
         self.scheduler_generated_tokens.set(stats.generated_tokens)
         self.spec_draft_tokens.set(stats.spec_draft_tokens)
         self.spec_accepted_tokens.set(stats.spec_accepted_tokens)
+        if self.max_lora is not None:
+            self.lora_requests_info.clear()  # one label set: the current one
+            self.lora_requests_info.labels(
+                max_lora=str(self.max_lora),
+                running_lora_adapters=",".join(stats.lora_running),
+                waiting_lora_adapters=",".join(stats.lora_waiting),
+            ).set(stats.time)
 
     def observe_first_token(self, received_time: float, now: float) -> None:
         self.ttft.observe(max(now - received_time, 0.0))
@@ -184,8 +212,11 @@ class MetricsCollector:
         cached_tokens: int,
         aborted: bool,
         now: float | None = None,
+        lora_name: str | None = None,
     ) -> None:
         now = time.time() if now is None else now
+        if lora_name is not None:
+            self.lora_requests.labels(**self._labels, lora_name=lora_name).inc()
         self.e2e.observe(max(now - received_time, 0.0))
         if scheduled_time and tokenized_time:
             self.queue_time.observe(max(scheduled_time - tokenized_time, 0.0))

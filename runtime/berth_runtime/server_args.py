@@ -269,6 +269,43 @@ class ServerArgs(DataclassCli):
         },
     )
 
+    # LoRA adapters
+    enable_lora: bool = field(
+        default=False,
+        metadata={
+            "help": "Serve LoRA adapters beside the base model: requests pick one by `model` "
+            "(NAME or BASE:NAME) or /generate's `lora_path`; /load_lora_adapter and "
+            "/unload_lora_adapter (admin key) change them at run time. Implied by --lora-paths."
+        },
+    )
+    lora_paths: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "nargs": "*",
+            "help": "Adapters to load at start: NAME=PATH (a PEFT adapter directory: "
+            "adapter_config.json and adapter_model.safetensors), or PATH (named by its last "
+            "directory).",
+        },
+    )
+    max_loras_per_batch: int = field(
+        default=8,
+        metadata={
+            "help": "Adapters one batch may mix: the device slots adapters are copied into from "
+            "host memory (least recently used first out); requests for another adapter wait."
+        },
+    )
+    max_loaded_loras: int | None = field(
+        default=None,
+        metadata={"help": "Most adapters held in host memory at once (default: unbounded)."},
+    )
+    max_lora_rank: int | None = field(
+        default=None,
+        metadata={
+            "help": "Highest adapter rank accepted (default: the largest of --lora-paths', and "
+            "at least 16)."
+        },
+    )
+
     watchdog_timeout: float = field(
         default=60.0,
         metadata={
@@ -295,6 +332,9 @@ class ServerArgs(DataclassCli):
         for name in ("port", "max_running_requests", "max_prefill_tokens", "tp_size"):
             positive(name, getattr(self, name))
         for name in (
+            "max_loras_per_batch",
+            "max_loaded_loras",
+            "max_lora_rank",
             "context_length",
             "max_total_tokens",
             "max_queued_requests",
@@ -334,6 +374,12 @@ class ServerArgs(DataclassCli):
                 "--enable-deterministic-inference needs the berth_cpu attention backend: "
                 "torch_native's rounding depends on the batch's shape"
             )
+        if self.lora_paths and not self.enable_lora:
+            object.__setattr__(self, "enable_lora", True)
+        if self.enable_lora and self.tp_size > 1:
+            raise ValueError("--enable-lora runs with --tp-size 1 only, for now")
+        if self.enable_lora and self.speculative_algorithm != "none":
+            raise ValueError("--enable-lora and --speculative-algorithm cannot be combined yet")
         if self.watchdog_timeout <= 0:
             raise ValueError("--watchdog-timeout must be positive")
         if self.max_stored_responses < 0:

@@ -46,7 +46,7 @@ from berth_runtime.entrypoints.protocol_responses import (
     ResponsesRequest,
 )
 from berth_runtime.entrypoints.serving_generate import GenerateRequest
-from berth_runtime.io_struct import GenerateReqInput
+from berth_runtime.io_struct import GenerateReqInput, LoraAdapterOut
 from berth_runtime.metrics import HttpMetricsMiddleware, MetricsCollector
 from berth_runtime.sampling_params import SamplingParams
 from berth_runtime.server_args import ServerArgs, max_request_body_bytes
@@ -56,7 +56,13 @@ from berth_runtime.server_args import ServerArgs, max_request_body_bytes
 OPEN_PATHS = frozenset({"/health", "/metrics", "/get_load", "/v1/loads"})
 # Routes that act on the whole server, for the admin key alone (`/abort_request` with
 # `abort_all` too, checked in the route: its admin-ness is in the body).
-ADMIN_PATHS = frozenset({"/flush_cache"})
+LORA_ADMIN_PATHS = (
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+)
+ADMIN_PATHS = frozenset({"/flush_cache", *LORA_ADMIN_PATHS})
 SECRET_ARGS = frozenset({"api_key", "admin_api_key"})
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
@@ -202,15 +208,16 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
 
     @app.get("/v1/models", responses=answers(401, ok=ModelList))
     async def list_models() -> Response:
-        return JSONResponse({"object": "list", "data": [_model_card(state)]})
+        return JSONResponse({"object": "list", "data": _model_cards(state)})
 
     @app.get("/v1/models/{model:path}", responses=answers(401, 404, ok=ModelCard))
     async def get_model(model: str) -> Response:
-        if model != state.args.model_name:
-            raise RequestError(
-                f"The model `{model}` does not exist.", 404, param="model", code="model_not_found"
-            )
-        return JSONResponse(_model_card(state))
+        for card in _model_cards(state):
+            if card["id"] == model:
+                return JSONResponse(card)
+        raise RequestError(
+            f"The model `{model}` does not exist.", 404, param="model", code="model_not_found"
+        )
 
     @app.get("/get_model_info", responses=answers(401, ok=OBJECT))
     async def get_model_info() -> Response:
@@ -354,6 +361,19 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
         status = 200 if out.success else 400
         return JSONResponse({"success": out.success, "message": out.message}, status_code=status)
 
+    @app.post("/load_lora_adapter", responses=answers(400, 401, 403, 404, 409, 503, ok=OBJECT))
+    @app.post("/v1/load_lora_adapter", responses=answers(400, 401, 403, 404, 409, 503, ok=OBJECT))
+    async def load_lora_adapter(body: LoadLoraAdapter) -> Response:
+        out = await state.require_ready().lora.load(body.lora_name, body.lora_path)
+        return _lora_answer(out, f"loaded {body.lora_name!r}", "lora_path")
+
+    @app.post("/unload_lora_adapter", responses=answers(400, 401, 403, 404, 503, ok=OBJECT))
+    @app.post("/v1/unload_lora_adapter", responses=answers(400, 401, 403, 404, 503, ok=OBJECT))
+    async def unload_lora_adapter(body: UnloadLoraAdapter) -> Response:
+        """Answers once the adapter's running and queued requests are done and it is gone."""
+        out = await state.require_ready().lora.unload(body.lora_name)
+        return _lora_answer(out, f"unloaded {body.lora_name!r}", "lora_name")
+
     honest_openapi(app, {"/generate": GenerateRequest, "/abort_request": AbortRequest})
     asgi: Any = BodyGuardMiddleware(app, state.max_request_body_bytes)
     if state.args.dp_rank is not None:
@@ -371,16 +391,42 @@ def _health(state: ServerState) -> tuple[bool, str]:
     return (False, problem) if problem is not None else (True, "")
 
 
-def _model_card(state: ServerState) -> dict[str, Any]:
-    return {
+class LoadLoraAdapter(BaseModel):
+    """The body of `/load_lora_adapter` (vLLM's and SGLang's)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, pattern=r"^[^:]+$")
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapter(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+
+
+def _lora_answer(out: LoraAdapterOut, done: str, param: str) -> Response:
+    if not out.success:
+        raise RequestError(out.message, out.status_code, param=param)
+    return JSONResponse({"success": True, "message": done})
+
+
+def _model_cards(state: ServerState) -> list[dict[str, Any]]:
+    """The served model, then each LoRA adapter with its base as `parent` (as vLLM lists them)."""
+    base = {
         "id": state.args.model_name,
         "object": "model",
         "created": int(state.started_time),
         "owned_by": "berth",
         # What the server was started with, not where it resolved to (a cache path on its disk).
         "root": state.args.model,
+        "parent": None,
         "max_model_len": state.engine_info.get("context_len"),
     }
+    cards = [base]
+    if state.phase == "ready":
+        for name, path in state.tokenizer_manager.lora.adapters.items():
+            cards.append({**base, "id": name, "root": path, "parent": base["id"]})
+    return cards
 
 
 async def _json_body(request: Request) -> dict[str, Any]:

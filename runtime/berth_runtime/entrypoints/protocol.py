@@ -624,6 +624,7 @@ class ModelCard(OpenAIBaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "berth"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

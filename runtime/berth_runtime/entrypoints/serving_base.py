@@ -36,6 +36,7 @@ from berth_common.http import SSE_DONE, sse_event
 from berth_runtime.constrained.spec import GrammarSpec
 from berth_runtime.entrypoints.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 from berth_runtime.io_struct import GenerateReqInput, RequestOutput
+from berth_runtime.managers.lora_registry import LoraRegistry
 from berth_runtime.sampling_params import SamplingParams
 from berth_runtime.server_args import ServerArgs
 
@@ -57,6 +58,7 @@ class EngineClient(Protocol):
     model_name: str
     context_len: int
     max_sequences_per_request: int
+    lora: LoraRegistry
 
     def generate_request(self, obj: GenerateReqInput) -> AsyncGenerator[Output, None]: ...
 
@@ -86,7 +88,7 @@ class OpenAIServingBase(ABC, Generic[RequestT]):
         self.tokenizer_manager = tokenizer_manager
 
     async def handle_request(self, request: RequestT, raw_request: Request) -> Response:
-        check_model(self.tokenizer_manager, request.model)
+        adapter = check_model(self.tokenizer_manager, request.model)
         check_sequences(request.sequence_count(), self.tokenizer_manager, "n")
         base_rid = request.rid or uuid.uuid4().hex
         check_grammar(self.tokenizer_manager, request)
@@ -94,6 +96,8 @@ class OpenAIServingBase(ABC, Generic[RequestT]):
         reqs = await self.tokenizer_manager.run_tokenizer(
             self.build_inputs, request, raw_request, base_rid
         )
+        for req in reqs:
+            req.lora_name = adapter
         streams = ChoiceStreams(self.tokenizer_manager, reqs, raw_request, request.stream)
         outputs = await streams.start()
         response_id = f"{self.id_prefix}-{base_rid}"
@@ -130,17 +134,10 @@ class OpenAIServingBase(ABC, Generic[RequestT]):
         """The non-streaming answer from every choice's final output."""
 
 
-def check_model(engine: EngineClient, model: str | None) -> None:
-    """Refuse a request for a model this server does not serve (None: the served one)."""
-    served = engine.model_name
-    if model is not None and model != served:
-        raise RequestError(
-            f"The model `{model}` does not exist; this server serves `{served}`.",
-            404,
-            err_type="NotFoundError",
-            param="model",
-            code="model_not_found",
-        )
+def check_model(engine: EngineClient, model: str | None) -> str | None:
+    """The LoRA adapter a request's `model` names (NAME or BASE:NAME), None for the served model
+    (or no `model`); a 404 for anything this server does not serve."""
+    return engine.lora.resolve(model)
 
 
 def check_grammar(engine: EngineClient, request: SamplingRequest) -> None:

@@ -79,7 +79,7 @@ class OpenAIServingChat(OpenAIServingBase[ChatCompletionRequest]):
     def chunker(
         self, request: ChatCompletionRequest, response_id: str, reqs: list[GenerateReqInput]
     ) -> ChatChunker:
-        model = self.tokenizer_manager.model_name
+        model = request.model or self.tokenizer_manager.model_name
         plan = request.tool_plan(tool_call_parser(self.tokenizer_manager))
         thinking = Thinking.of(self.tokenizer_manager, reqs)
         return ChatChunker(response_id, model, len(reqs), request.logprobs, plan, thinking)
@@ -106,7 +106,7 @@ class OpenAIServingChat(OpenAIServingBase[ChatCompletionRequest]):
             )
         return ChatCompletionResponse(
             id=response_id,
-            model=self.tokenizer_manager.model_name,
+            model=request.model or self.tokenizer_manager.model_name,
             choices=choices,
             usage=usage_info(outputs, request.n),
         )

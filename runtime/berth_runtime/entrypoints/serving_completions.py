@@ -60,7 +60,7 @@ class OpenAIServingCompletion(OpenAIServingBase[CompletionRequest]):
         self, request: CompletionRequest, response_id: str, reqs: list[GenerateReqInput]
     ) -> CompletionChunker:
         echoes = [self._echo(request, req) for req in reqs]
-        model = self.tokenizer_manager.model_name
+        model = request.model or self.tokenizer_manager.model_name
         return CompletionChunker(response_id, model, echoes, request.logprobs is not None)
 
     def build_response(
@@ -87,7 +87,7 @@ class OpenAIServingCompletion(OpenAIServingBase[CompletionRequest]):
             )
         return CompletionResponse(
             id=response_id,
-            model=self.tokenizer_manager.model_name,
+            model=request.model or self.tokenizer_manager.model_name,
             choices=choices,
             usage=usage_info(outputs, request.n),
         )

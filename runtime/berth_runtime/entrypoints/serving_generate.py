@@ -68,6 +68,7 @@ class GenerateRequest(BaseModel):
     routed_dp_rank: int | None = Field(None, ge=0)
     priority: int | None = None
     routing_key: str | None = None  # the router's; checked, not used here
+    lora_path: str | None = Field(None, min_length=1)  # the LoRA adapter's name (as SGLang's)
 
 
 GENERATE_FIELDS = set(GenerateRequest.model_fields)
@@ -197,10 +198,13 @@ def parse_generate(body: dict[str, Any]) -> tuple[list[GenerateReqInput], bool]:
             ("routed_dp_rank", int),
             ("priority", int),
             ("routing_key", str),  # the router's; checked, not used here
+            ("lora_path", str),
         ):
             if body.get(key) is not None:
                 value = msgspec.convert(body[key], typ)
-                if key != "routing_key":
+                if key == "lora_path":
+                    common["lora_name"] = value
+                elif key != "routing_key":
                     common[key] = value
     except msgspec.ValidationError as e:
         raise RequestError(f"{key}: {e}", param=key) from e

@@ -79,7 +79,7 @@ class OpenAIServingResponses:
 
     async def create(self, request: ResponsesRequest, raw_request: Request) -> Response:
         engine = self.engine
-        check_model(engine, request.model)
+        adapter = check_model(engine, request.model)
         history: list[ChatMessage] = []
         if request.previous_response_id is not None:
             previous = self.store.get(request.previous_response_id, "previous_response_id")
@@ -90,6 +90,8 @@ class OpenAIServingResponses:
         reqs = await engine.run_tokenizer(
             self._inputs, request, raw_request, conversation, request.rid or response.id
         )
+        for req in reqs:
+            req.lora_name = adapter
         plan = request.tool_plan(tool_call_parser(engine))
         thinking = Thinking.of(engine, reqs).streams()
         builder = ResponseBuilder(
@@ -118,7 +120,7 @@ class OpenAIServingResponses:
     def _new_response(self, request: ResponsesRequest) -> ResponseObject:
         return ResponseObject(
             id=new_response_id(self.dp_rank),
-            model=self.engine.model_name,
+            model=request.model or self.engine.model_name,
             instructions=request.instructions,
             max_output_tokens=request.max_output_tokens,
             temperature=request.temperature,

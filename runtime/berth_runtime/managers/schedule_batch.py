@@ -52,6 +52,8 @@ class Req:
         "grammar_future",
         "matcher",
         "ngrams",
+        "lora_name",
+        "lora_namespace",
     )
 
     def __init__(
@@ -105,6 +107,10 @@ class Req:
         self.matcher: Matcher | None = None
         # Speculative decoding (ngram): where each of its n-grams last occurred, built on demand.
         self.ngrams: NgramIndex | None = None
+        # The LoRA adapter it runs under (None: the base model), and that adapter's part of the
+        # prefix cache (0: the base's): K/V computed under one adapter is never reused by another.
+        self.lora_name: str | None = None
+        self.lora_namespace = 0
 
     @classmethod
     def from_tokenized(cls, msg: TokenizedGenerateReqInput, max_new_tokens: int) -> Req:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from berth_runtime.managers.schedule_batch import Req
@@ -72,6 +73,9 @@ class SchedulePolicy:
         self.chunked_req: Req | None = None
         self.last_step_was_prefill = False
         self.cached_tokens = 0  # prompt tokens served from the cache, for the hit rate
+        # With LoRA: whether a request for an adapter may join requests using others (one batch
+        # mixes at most --max-loras-per-batch adapters); set by the scheduler.
+        self.adapter_may_join: Callable[[str | None, set[str]], bool] | None = None
 
     # --- queues ------------------------------------------------------------------------------
 
@@ -134,6 +138,8 @@ class SchedulePolicy:
         num_live = self.num_live
         for req in candidates:
             is_new = req is not self.chunked_req
+            if is_new and not self._adapter_fits(req, entries):
+                continue  # its adapter waits for a slot; later requests may still run
             if is_new and num_live >= self.max_running:
                 victim = self._preemption_victim(req)
                 if victim is None:
@@ -184,13 +190,25 @@ class SchedulePolicy:
                 break
         return entries
 
+    def live_adapters(self) -> set[str]:
+        """The adapters of the requests holding a batch slot."""
+        live = [*self.running, *([self.chunked_req] if self.chunked_req else [])]
+        return {r.lora_name for r in live if r.lora_name is not None}
+
+    def _adapter_fits(self, req: Req, entries: list[ExtendEntry]) -> bool:
+        if self.adapter_may_join is None or req.lora_name is None:
+            return True
+        live = self.live_adapters() | {e.req.lora_name for e in entries if e.req.lora_name}
+        return self.adapter_may_join(req.lora_name, live)
+
     def _ordered_waiting(self) -> list[Req]:
         policy = self.args.schedule_policy
         if policy == "priority":
             return sorted(self.waiting, key=lambda r: (-r.priority, r.queued_time))
         if policy == "lpm" and self.kv.tree is not None and len(self.waiting) <= LPM_MAX_QUEUE:
             matched = {
-                id(r): self.kv.cached_prefix_len(r.fill_ids(0, r.fill_len)) for r in self.waiting
+                id(r): self.kv.cached_prefix_len(r.fill_ids(0, r.fill_len), r.lora_namespace)
+                for r in self.waiting
             }
             return sorted(self.waiting, key=lambda r: -matched[id(r)])  # stable: FCFS on ties
         return list(self.waiting)

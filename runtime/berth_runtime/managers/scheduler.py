@@ -18,9 +18,13 @@ from berth_runtime.io_struct import (
     FinishReason,
     FlushCacheOut,
     FlushCacheReq,
+    LoadLoraAdapterReq,
+    LoraAdapterOut,
     SchedulerStats,
     TokenizedGenerateReqInput,
+    UnloadLoraAdapterReq,
 )
+from berth_runtime.lora.adapter import LoraError
 from berth_runtime.managers.ngram_speculator import NgramIndex
 from berth_runtime.managers.output_processor import OutputProcessor
 from berth_runtime.managers.schedule_batch import Req
@@ -115,6 +119,13 @@ class Scheduler:
         self.speculative_max_batch = args.speculative_max_batch
         self.overlap = not (args.disable_overlap_schedule or self.speculate)
         self.launched: LaunchedDecode | None = None  # a decode step not read back yet
+        # LoRA adapters (None: off): which may run together, and the unloads waiting for their
+        # requests to finish (adapter -> the req_ids to answer).
+        self.lora = getattr(runner, "lora", None)
+        if self.lora is not None:
+            self.policy.adapter_may_join = self.lora.may_join
+        self.pending_unloads: dict[str, list[str]] = {}
+        self.control_replies: list[LoraAdapterOut] = []
 
     # --- inputs ------------------------------------------------------------------------------
 
@@ -124,6 +135,8 @@ class Scheduler:
         max_new = msg.sampling_params.max_new_tokens
         max_new = room if max_new is None else min(max_new, room)
         req = Req.from_tokenized(msg, max_new)
+        if msg.lora_name is not None and not self._take_adapter(req, msg.lora_name):
+            return
         if room <= 0 or prompt_len == 0:
             self._finish_abort(req, f"prompt of {prompt_len} tokens does not fit", 400)
             return
@@ -144,6 +157,78 @@ class Scheduler:
             self.grammar_queue.append(req)
             return
         self.policy.waiting.append(req)
+
+    def _take_adapter(self, req: Req, name: str) -> bool:
+        """Run `req` under adapter `name`; False (refused) if this server does not serve it."""
+        if self.lora is None:
+            message = "LoRA adapters are off on this server (start it with --enable-lora)"
+            self._finish_abort(req, message, 400, param="model")
+            return False
+        if not self.lora.serves(name):
+            self._finish_abort(req, f"no LoRA adapter named {name!r} is loaded", 404, "model")
+            return False
+        req.lora_name = name
+        req.lora_namespace = self.lora.namespace(name)
+        return True
+
+    # --- LoRA adapters at run time -------------------------------------------------------------
+
+    def handle_load_lora(self, msg: LoadLoraAdapterReq) -> None:
+        if self.lora is None:
+            self._reply(msg.req_id, "LoRA adapters are off (start with --enable-lora)", 400)
+            return
+        try:
+            self.lora.load(msg.name, msg.path)
+        except LoraError as e:
+            self._reply(msg.req_id, str(e), e.status)
+            return
+        except Exception as e:  # an unreadable file, a read error: the load fails, not the rank
+            logger.exception("Loading LoRA adapter %r failed", msg.name)
+            self._reply(msg.req_id, f"loading {msg.name!r} failed: {type(e).__name__}: {e}", 500)
+            return
+        self._reply(msg.req_id, "", 200)
+
+    def handle_unload_lora(self, msg: UnloadLoraAdapterReq) -> None:
+        """Answered once the adapter's requests are done (`finish_unloads`)."""
+        if self.lora is None:
+            self._reply(msg.req_id, "LoRA adapters are off (start with --enable-lora)", 400)
+            return
+        if msg.name not in self.pending_unloads:
+            try:
+                self.lora.start_unload(msg.name)
+            except LoraError as e:
+                self._reply(msg.req_id, str(e), e.status)
+                return
+        self.pending_unloads.setdefault(msg.name, []).append(msg.req_id)
+        self.finish_unloads()
+
+    def finish_unloads(self) -> None:
+        """Drop the adapters being unloaded whose requests are all done, with their cached K/V."""
+        if not self.pending_unloads or self.lora is None:
+            return
+        reqs = self.policy.live_reqs() + self.grammar_queue
+        if self.launched is not None:
+            reqs += self.launched.reqs
+        in_use = {r.lora_name for r in reqs if r.lora_name is not None and not r.finished}
+        for name, namespace in self.lora.finish_unloads(in_use):
+            self.kv.drop_namespace(namespace)
+            for req_id in self.pending_unloads.pop(name, []):
+                self._reply(req_id, "", 200)
+
+    def _reply(self, req_id: str, message: str, status: int) -> None:
+        self.control_replies.append(
+            LoraAdapterOut(req_id, success=status == 200, message=message, status_code=status)
+        )
+
+    def take_control_replies(self) -> list[LoraAdapterOut]:
+        replies, self.control_replies = self.control_replies, []
+        return replies
+
+    def _use_adapters(self, reqs: list[Req], rows: list[int]) -> None:
+        """Tell the model which rows of the next step run under which adapter."""
+        if self.lora is not None:
+            live = self.policy.live_adapters()
+            self.lora.prepare([r.lora_name for r in reqs], rows, live)
 
     def _admit_compiled(self) -> None:
         """Queue the constrained requests whose grammar has compiled (refuse those that failed)."""
@@ -280,6 +365,7 @@ class Scheduler:
         """Run one decode step of `reqs` (each one's next input token, from the host or still on
         the device) and advance their KV lengths."""
         slots = self.kv.alloc_decode(reqs)
+        self._use_adapters(reqs, [1] * len(reqs))
         decoded = self.runner.forward_decode(
             input_ids, [r.kv_len for r in reqs], slots, [r.req_row for r in reqs]
         )
@@ -319,6 +405,7 @@ class Scheduler:
             self.device,
             with_mask=self.runner.needs_attn_mask,
         )
+        self._use_adapters([e.req for e in entries], [e.end - e.start for e in entries])
         hidden = self.runner.forward(forward)
         row_start = 0
         for e in entries:
@@ -504,4 +591,6 @@ class Scheduler:
             generated_tokens=stats.generated_tokens,
             spec_draft_tokens=stats.spec_draft_tokens,
             spec_accepted_tokens=stats.spec_accepted_tokens,
+            lora_running=self.lora.pool.resident() if self.lora is not None else [],
+            lora_waiting=sorted({r.lora_name for r in self.policy.waiting if r.lora_name}),
         )

@@ -16,8 +16,10 @@ from berth_runtime.constrained.grammar import GrammarCompiler
 from berth_runtime.io_struct import (
     AbortReq,
     FlushCacheReq,
+    LoadLoraAdapterReq,
     TokenizedGenerateReqInput,
     ToScheduler,
+    UnloadLoraAdapterReq,
 )
 from berth_runtime.kernels import cpu as cpu_kernels
 from berth_runtime.managers.engine_liveness import StepClock, report_long_steps
@@ -122,6 +124,11 @@ def run_scheduler_process(
             "int8_lm_head": runner.int8_lm_head_bytes > 0,
             "kv_bytes_per_token": runner.kv_pool.bytes_per_token,
             "max_running_requests": scheduler.max_running,
+            # LoRA: adapters one batch may mix (0: LoRA is off), the highest rank accepted, and
+            # those loaded at start.
+            "max_loras_per_batch": runner.lora.max_per_batch if runner.lora else 0,
+            "max_lora_rank": runner.lora.max_rank if runner.lora else 0,
+            "lora_adapters": runner.lora.paths() if runner.lora else {},
         }
     )
     ready.close()
@@ -171,11 +178,18 @@ def event_loop(scheduler: Scheduler, ports: PortArgs, parent_pid: int) -> None:
                     scheduler.handle_abort(msg)
                 elif isinstance(msg, FlushCacheReq):
                     send_to_tokenizer.send(scheduler.handle_flush_cache(msg))
+                elif isinstance(msg, LoadLoraAdapterReq):
+                    scheduler.handle_load_lora(msg)
+                elif isinstance(msg, UnloadLoraAdapterReq):
+                    scheduler.handle_unload_lora(msg)
             clock.start()
             out = scheduler.step()
             clock.stop()
             if out is not None:
                 send_to_detokenizer.send(out)
+            scheduler.finish_unloads()
+            for reply in scheduler.take_control_replies():
+                send_to_tokenizer.send(reply)
             now = time.monotonic()
             idle = scheduler.is_idle
             # Going busy or idle is published at once: a router or an autoscaler reading

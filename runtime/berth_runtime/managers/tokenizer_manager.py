@@ -32,6 +32,7 @@ from berth_runtime.io_struct import (
     FlushCacheOut,
     FlushCacheReq,
     GenerateReqInput,
+    LoraAdapterOut,
     ReqOutput,
     RequestOutput,
     SchedulerBusy,
@@ -42,6 +43,7 @@ from berth_runtime.io_struct import (
     ToTokenizer,
 )
 from berth_runtime.managers.engine_liveness import EngineLiveness
+from berth_runtime.managers.lora_registry import LoraRegistry
 from berth_runtime.metrics import MetricsCollector
 from berth_runtime.sampling_params import SamplingParamsError
 from berth_runtime.server_args import ServerArgs
@@ -117,7 +119,9 @@ class TokenizerManager:
         self._token_text_cache: dict[int, str] = {}
         self.vocab_bytes = vocab_bytes(self.tokenizer)
         self.metrics = metrics
-        self.metrics.set_engine_info(self.context_len, self.max_total_tokens)
+        self.metrics.set_engine_info(
+            self.context_len, self.max_total_tokens, engine_info.get("max_loras_per_batch")
+        )
         # Templating and tokenizing a long prompt on the event loop would hold up every other
         # request, and /health, for as long: one worker thread does it, in arrival order.
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="berth-tokenize")
@@ -134,6 +138,12 @@ class TokenizerManager:
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(ToTokenizer)
         self._loop_task: asyncio.Task[None] | None = None
+        self.lora = LoraRegistry(
+            self.model_name,
+            args.enable_lora,
+            engine_info.get("lora_adapters", {}),
+            lambda msg: self.send_to_scheduler.send(self.encoder.encode(msg)),
+        )
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -153,6 +163,7 @@ class TokenizerManager:
     def mark_engine_dead(self, reason: str) -> None:
         """A child process died: fail every in-flight request now instead of letting it hang."""
         self.dead_reason = reason
+        self.lora.fail_all(reason)
         dead = FinishReason("abort", message=reason, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
         for rid, state in self.rid_to_state.items():
             if not state.finished:
@@ -202,6 +213,7 @@ class TokenizerManager:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         self._check_rank(obj)
+        self.lora.check_name(obj.lora_name, "lora_path")
         spec = obj.sampling_params.grammar if obj.sampling_params else None
         if spec is not None:
             self.check_grammar(spec, obj.grammar_param or f"sampling_params.{spec.kind}")
@@ -264,6 +276,7 @@ class TokenizerManager:
                 cached_tokens=state.cached_tokens,
                 aborted=aborted,
                 now=now,
+                lora_name=state.obj.lora_name,
             )
         if logger.isEnabledFor(logging.DEBUG):
             ttft = state.first_token_time - state.received_time if state.first_token_time else -1
@@ -351,6 +364,7 @@ class TokenizerManager:
             top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
             logprob_start_len=obj.logprob_start_len,
             priority=obj.priority,
+            lora_name=obj.lora_name,
         )
 
     def _abort_error(self, reason: FinishReason, obj: GenerateReqInput) -> RequestError:
@@ -403,6 +417,8 @@ class TokenizerManager:
                 self.metrics.observe_stats(msg)
             elif isinstance(msg, SchedulerBusy):
                 self.liveness.busy(time.monotonic(), msg.step_s)
+            elif isinstance(msg, LoraAdapterOut):
+                self.lora.answer(msg)
             elif isinstance(msg, FlushCacheOut):
                 waiters, self._flush_waiters = self._flush_waiters, []
                 for w in waiters:

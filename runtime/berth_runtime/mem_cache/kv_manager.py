@@ -39,7 +39,7 @@ class KVManager:
         if self.tree is None or req.return_prompt_logprobs:
             return True  # prompt logprobs need every prompt position computed
         # Leave at least one token to run: its logits give the next token.
-        slots, node = self.tree.match_prefix(req.fill_ids(0, req.fill_len - 1))
+        slots, node = self.tree.match_prefix(req.fill_ids(0, req.fill_len - 1), req.lora_namespace)
         n = len(slots)
         if n:
             self.req_to_token.req_to_token[row, :n] = slots
@@ -56,9 +56,11 @@ class KVManager:
         req.req_row, req.last_node = None, None
         req.kv_len = req.prefix_len = req.exact_len = 0
 
-    def cached_prefix_len(self, tokens: list[int]) -> int:
+    def cached_prefix_len(self, tokens: list[int], namespace: int = 0) -> int:
         """How many leading `tokens` the prefix cache holds (0 without one)."""
-        return len(self.tree.match_prefix(tokens)[0]) if self.tree is not None else 0
+        if self.tree is None:
+            return 0
+        return len(self.tree.match_prefix(tokens, namespace)[0])
 
     # --- capacity ----------------------------------------------------------------------------
 
@@ -120,9 +122,9 @@ class KVManager:
         table = self.req_to_token.req_to_token
         key = req.fill_ids(0, req.kv_len)
         slots = table[req.req_row, : req.kv_len].clone()
-        cached = self.tree.insert(key, slots)
+        cached = self.tree.insert(key, slots, req.lora_namespace)
         self.kv_pool.free(slots[req.prefix_len : cached])  # duplicates of what was cached
-        tree_slots, node = self.tree.match_prefix(key)
+        tree_slots, node = self.tree.match_prefix(key, req.lora_namespace)
         table[req.req_row, : req.kv_len] = tree_slots
         if req.last_node is not None:
             self.tree.unlock(req.last_node)
@@ -146,7 +148,9 @@ class KVManager:
         else:
             # Tokens the cache already holds (inserted by another request meanwhile) are
             # duplicates: free our copies. The rest of the exact part now belongs to the cache.
-            cached = self.tree.insert(req.fill_ids(0, req.exact_len), slots[: req.exact_len])
+            cached = self.tree.insert(
+                req.fill_ids(0, req.exact_len), slots[: req.exact_len], req.lora_namespace
+            )
             self.kv_pool.free(slots[req.prefix_len : cached])
             self.kv_pool.free(slots[req.exact_len :])
             if req.last_node is not None:
@@ -154,6 +158,11 @@ class KVManager:
         self.req_to_token.free(req.req_row)
         req.req_row, req.last_node = None, None
         req.kv_len = req.prefix_len = req.exact_len = 0
+
+    def drop_namespace(self, namespace: int) -> None:
+        """Free the cached K/V of an unloaded adapter."""
+        if self.tree is not None:
+            self.tree.drop_namespace(namespace)
 
     def flush(self) -> None:
         """Forget every cached prefix and slot (only when no request holds any)."""

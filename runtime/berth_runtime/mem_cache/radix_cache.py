@@ -3,6 +3,9 @@
 Each edge holds a run of token ids and the KV slots of those tokens. A request locks the path it
 matched while it runs (locked entries are never evicted); finished requests insert their tokens, and
 unlocked leaves are evicted least-recently-used first when the pool needs room.
+
+K/V depends on the weights that computed it: each LoRA adapter caches under its own namespace, a
+subtree of its own below the root (namespace 0, the base model's, is the root itself).
 """
 
 from __future__ import annotations
@@ -47,9 +50,32 @@ class RadixCache:
     def total_size(self) -> int:
         return self.evictable_size + self.protected_size
 
-    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
+    def _top(self, namespace: int) -> TreeNode:
+        """Where `namespace`'s entries hang: the root for the base model, else an empty node below
+        it (made on first use, keyed by a negative id no token has, never evicted)."""
+        if namespace == 0:
+            return self.root
+        anchor = self.root.children.get(-namespace)
+        if anchor is None:
+            anchor = TreeNode(self.root, [], torch.empty(0, dtype=torch.int64))
+            anchor.lock_ref = 1
+            self.root.children[-namespace] = anchor
+        return anchor
+
+    def drop_namespace(self, namespace: int) -> None:
+        """Free every entry of a namespace (an unloaded adapter's; no request holds any)."""
+        anchor = self.root.children.pop(-namespace, None)
+        stack = list(anchor.children.values()) if anchor is not None else []
+        while stack:
+            node = stack.pop()
+            assert node.lock_ref == 0, "an entry of a dropped namespace is in use"
+            self.free_slots(node.value)
+            self.evictable_size -= len(node.key)
+            stack.extend(node.children.values())
+
+    def match_prefix(self, key: list[int], namespace: int = 0) -> tuple[torch.Tensor, TreeNode]:
         """KV slots of the longest cached prefix of `key`, and the node where it ends."""
-        node = self.root
+        node = self._top(namespace)
         values: list[torch.Tensor] = []
         now = next(self._clock)
         pos = 0
@@ -70,10 +96,10 @@ class RadixCache:
         slots = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
         return slots, node
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, namespace: int = 0) -> int:
         """Cache `key` with its KV slots; return how many leading tokens were cached already
         (the caller still owns, and must free, its own slots for those)."""
-        node = self.root
+        node = self._top(namespace)
         now = next(self._clock)
         pos = 0
         while pos < len(key):

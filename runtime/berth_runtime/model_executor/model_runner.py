@@ -19,6 +19,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from berth_runtime.kernels import cpu as cpu_kernels
+from berth_runtime.lora.manager import LoraManager
 from berth_runtime.mem_cache.kv_pool import ReqToTokenPool, TokenToKVPool
 from berth_runtime.model_executor import tensor_parallel
 from berth_runtime.model_executor.cuda_graph_runner import DecodeGraphRunner
@@ -191,8 +192,12 @@ class ModelRunner:
         # What the model holds in its own dtype (the 4-bit and 8-bit weights: q4_bytes and
         # int8_lm_head_bytes).
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # LoRA adapters: their hooks go on the projections, which the fused C++ step bypasses.
+        self.lora: LoraManager | None = None
+        if args.enable_lora:
+            self.lora = LoraManager(args, model, self.device, packed=self.prepacked)
         # Needs berth_cpu (it checks itself), and the whole model: its C++ step has no collective.
-        self.fused_decode = self.tp.size == 1 and model.enable_fused_decode()
+        self.fused_decode = self.tp.size == 1 and self.lora is None and model.enable_fused_decode()
         # Only SDPA reads an attention mask; paged kernels take each sequence's length.
         self.needs_attn_mask = model.layers[0].self_attn.paged_attention is None
         self.model = model.eval()
@@ -216,10 +221,10 @@ class ModelRunner:
         # CUDA graphs need attention with no host sync: Triton's reads K/V in place.
         self.graph_runner: DecodeGraphRunner | None = None
         graphs = self.attention_backend == "triton" and not args.disable_cuda_graph
-        if self.tp.size > 1:
-            graphs = (
-                False  # not yet captured with the collectives: tensor-parallel steps run eagerly
-            )
+        if self.tp.size > 1 or self.lora is not None:
+            # Not captured yet with the collectives, nor with LoRA's per-step grouping of rows
+            # by adapter: such steps run eagerly.
+            graphs = False
         if graphs and self.device.type == "cuda" and not model.cuda_graphs:
             logger.info("%s steps run eagerly: its MoE layers group tokens on the host", arch)
             graphs = False
@@ -342,6 +347,8 @@ class ModelRunner:
         if self.device.type != "cuda":
             return max(DEFAULT_CPU_KV_TOKENS, self.context_len)
         free, _ = torch.cuda.mem_get_info(self.device)
+        if self.lora is not None:
+            free = max(0, free - self.lora.slots_nbytes())  # LoRA slots fill on demand
         per_token = 2 * self.num_layers * num_kv_heads * head_dim * self.dtype.itemsize
         return int(free * CUDA_KV_MEMORY_FRACTION / per_token)
 

@@ -41,8 +41,18 @@ def run_linear(module: nn.Linear, x: torch.Tensor, decode_seqs: int) -> torch.Te
     elif getattr(module, "berth_packed", False):
         out = packed_linear(x, module.weight)
     else:
-        return linear(x, module.weight, module.bias)
-    return out if module.bias is None else out + module.bias
+        out = linear(x, module.weight, module.bias)
+        return _with_lora(module, x, out)
+    out = out if module.bias is None else out + module.bias
+    return _with_lora(module, x, out)
+
+
+def _with_lora(module: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Add the LoRA adapters' updates of this step's rows (`lora.pool`), where it has any."""
+    hook = getattr(module, "berth_lora", None)
+    if hook is not None and hook.pool.segments:
+        hook.pool.add_delta(hook.layer, hook.projection, x, out)
+    return out
 
 
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
