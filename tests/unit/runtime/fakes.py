@@ -25,6 +25,7 @@ from berth_runtime.entrypoints.protocol import ChatCompletionRequest, Completion
 from berth_runtime.entrypoints.serving_chat import OpenAIServingChat
 from berth_runtime.entrypoints.serving_completions import OpenAIServingCompletion
 from berth_runtime.io_struct import FinishReason, GenerateReqInput, RequestOutput, TokenLogprob
+from berth_runtime.managers.lora_registry import LoraRegistry
 from berth_runtime.managers.tokenizer_manager import TokenizerManager
 from berth_runtime.server_args import ServerArgs
 from berth_runtime.utils.token_bytes import vocab_bytes
@@ -120,6 +121,7 @@ class FakeTokenizerManager:
         self.tokenizer = tokenizer
         self.args = ServerArgs(tool_call_parser="hermes")
         self.model_name = MODEL
+        self.lora = LoraRegistry(MODEL, enabled=False, adapters={}, send=lambda msg: None)
         self.context_len = 2048
         self.max_sequences_per_request = 128
         self.reply: Callable[[GenerateReqInput], str] = lambda obj: REPLY

@@ -72,3 +72,24 @@ def test_lock_survives_a_split_below_it():
     assert tree.protected_size == 4 and tree.evictable_size == 1
     tree.unlock(node)
     assert tree.protected_size == 0 and tree.evictable_size == 5
+
+
+def test_namespaces_never_share_entries():
+    """A LoRA adapter's namespace caches apart from the base's and from other adapters'; its
+    entries lock, evict and count as the base's do, and dropping it frees exactly its slots."""
+    tree, freed = make()
+    tree.insert([1, 2, 3], slots(10, 11, 12))
+    tree.insert([1, 2, 3], slots(20, 21, 22), namespace=7)
+    assert tree.match_prefix([1, 2, 3])[0].tolist() == [10, 11, 12]
+    assert tree.match_prefix([1, 2, 3], namespace=7)[0].tolist() == [20, 21, 22]
+    assert tree.match_prefix([1, 2, 3], namespace=8)[0].tolist() == []
+    assert tree.total_size == 6
+    _, node = tree.match_prefix([1, 2, 3], namespace=7)
+    tree.lock(node)
+    assert tree.evict(10) == 3 and sorted(freed) == [10, 11, 12]  # the locked one stays
+    assert tree.match_prefix([1, 2, 3], namespace=7)[0].tolist() == [20, 21, 22]
+    tree.unlock(node)
+    freed.clear()
+    tree.drop_namespace(7)
+    assert sorted(freed) == [20, 21, 22] and tree.total_size == 0
+    assert tree.match_prefix([1, 2, 3], namespace=7)[0].tolist() == []
