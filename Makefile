@@ -120,6 +120,10 @@ gpu-check: ## On a GPU machine, offline: GPU tests, greedy parity with HF, throu
 bench-moe: install ## MoE: a decode step of a sparse MoE model vs a dense one with the same active parameters
 	$(BIN)/python -m benchmarks.moe $(BENCH_ARGS)
 
+.PHONY: bench-lora
+bench-lora: install ## LoRA: decode tok/s at 8 and 32 streams, all on the base vs spread over 4 adapters
+	$(BIN)/python -m benchmarks.lora $(BENCH_ARGS)
+
 .PHONY: bench-router
 bench-router: install ## Router: added latency vs a direct rank; cache_aware vs round_robin prefix-cache hit rate
 	$(BIN)/python -m benchmarks.router $(BENCH_ARGS)
