@@ -52,6 +52,13 @@ class RouterMetrics:
             ["endpoint"],
             registry=r,
         )
+        self.lora_affinity = Counter(
+            "berth:router_lora_affinity",
+            "Requests for a LoRA adapter narrowed to the ranks that serve it: lora_resident (to "
+            "those holding it in a device slot), lora_loaded (to those serving it)",
+            ["decision"],
+            registry=r,
+        )
         self.decisions = Counter(
             "berth:router_policy_decisions",
             "How ranks were picked: prefix_hit, load_fallback_miss, load_fallback_imbalanced "

@@ -201,7 +201,6 @@ class PrefixTree:
 
 class Policy(ABC):
     name: str
-    uses_load: bool = True
 
     @abstractmethod
     def select(self, text: str, candidates: Sequence[Candidate]) -> Decision:
@@ -218,7 +217,6 @@ class Policy(ABC):
 
 class RoundRobin(Policy):
     name = "round_robin"
-    uses_load = False
 
     def __init__(self) -> None:
         self._next = 0

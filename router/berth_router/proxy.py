@@ -125,6 +125,9 @@ class Router:
         candidates = [w for w in registry.routable() if w.rank not in tried]
         if not candidates:
             raise self._no_worker(tried)
+        candidates, affinity = adapter_affinity(signals.model, candidates, registry.load_of)
+        if affinity is not None:
+            self.metrics.lora_affinity.labels(affinity).inc()
         by_rank = {w.rank: w for w in candidates}
         if signals.routing_key:
             # Over every known rank, so that a key keeps its rank while the set is unchanged;
@@ -166,6 +169,41 @@ class Router:
 
     def _count(self, decision: str) -> None:
         self.metrics.decisions.labels(self.policy.name, decision).inc()
+
+
+# A rank that holds the adapter in a device slot is preferred while its load is at most this many
+# requests above the least-loaded rank that serves the adapter (as the Inference Extension's LoRA
+# affinity scorer prefers active adapters, within its queue threshold).
+RESIDENT_SLACK = 4
+ADAPTER_RESIDENT = "lora_resident"
+ADAPTER_LOADED = "lora_loaded"
+
+
+def adapter_affinity(
+    model: str | None, candidates: list[Worker], load_of: Callable[[Worker], float]
+) -> tuple[list[Worker], str | None]:
+    """The candidates for a request naming `model`: when it names a LoRA adapter that some
+    ranks serve (by their last /get_load), only those ranks (the others would answer 404), and
+    among them the ranks holding it in a device slot, unless they are loaded RESIDENT_SLACK
+    requests beyond the least-loaded one; the policy then picks among what is left. Returns the
+    decision counted (None: no adapter involved)."""
+    if model is None:
+        return candidates, None
+    name = model.rpartition(":")[2]
+
+    def has(worker: Worker, attribute: str) -> bool:
+        snap = worker.load_snapshot
+        return snap is not None and name in getattr(snap, attribute)
+
+    serving = [w for w in candidates if has(w, "adapters")]
+    if not serving:
+        return candidates, None
+    resident = [w for w in serving if has(w, "resident")]
+    if resident:
+        low = min(load_of(w) for w in serving)
+        if min(load_of(w) for w in resident) <= low + RESIDENT_SLACK:
+            return resident, ADAPTER_RESIDENT
+    return serving, ADAPTER_LOADED
 
 
 @dataclass

@@ -86,9 +86,9 @@ def create_app(args: RouterArgs, kube: KubeConfig | None = None) -> Any:
         balance_rel_threshold=args.balance_rel_threshold,
         max_tree_chars=args.max_tree_chars,
     )
-    registry = WorkerRegistry(
-        args, metrics, poll_load=policy.uses_load, on_rank_reset=policy.forget_rank
-    )
+    # Every policy polls /get_load: it also says which LoRA adapters each rank serves, which
+    # requests for an adapter are routed by (`proxy.adapter_affinity`) whatever the policy.
+    registry = WorkerRegistry(args, metrics, poll_load=True, on_rank_reset=policy.forget_rank)
     router = Router(args, registry, policy, metrics)
     if args.discovery and kube is None:
         raise ValueError("--discover-selector needs a Kubernetes API configuration")

@@ -33,6 +33,9 @@ class RouteSignals:
     pinned_by: str | None = None  # "routed_dp_rank" or the header: the param of a pin error
     routing_key: str | None = None
     text: str = ""
+    # The request's `model` (or /generate's `lora_path`): a LoRA adapter's name goes to a rank
+    # that serves it.
+    model: str | None = None
 
 
 # Ends each chat message in the routing text (ASCII's record separator: never in real text).
@@ -55,7 +58,13 @@ def read_signals(path: str, body: bytes, headers: Mapping[str, str]) -> RouteSig
         pinned_by=pinned_by,
         routing_key=_routing_key(payload, headers),
         text=routing_text(path, payload),
+        model=_model(payload),
     )
+
+
+def _model(payload: Mapping[str, Any]) -> str | None:
+    model = payload.get("lora_path") or payload.get("model")
+    return model if isinstance(model, str) and model else None
 
 
 def _pinned_rank(

@@ -94,6 +94,9 @@ class LoadSnapshot:
     # or ended while the poll was out (the rank counted them when it answered, this router no
     # longer does; not subtracting them made a phantom request that steered the next one away).
     own_requests: int
+    # LoRA: the adapters the rank serves, and those in its device slots.
+    adapters: frozenset[str] = frozenset()
+    resident: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -156,6 +159,7 @@ class Worker:
                 "running": snap.running,
                 "waiting": snap.waiting,
                 "token_usage": snap.token_usage,
+                "lora_adapters": sorted(snap.adapters),
                 "age_s": round(now - snap.received, 3),
             },
         }
@@ -405,6 +409,8 @@ class WorkerRegistry:
                 token_usage=float(data.get("token_usage") or 0.0),
                 received=time.monotonic(),
                 own_requests=worker.in_flight + worker.ended_since(sent - END_GRACE_S),
+                adapters=frozenset(str(a) for a in data.get("lora_adapters") or ()),
+                resident=frozenset(str(a) for a in data.get("lora_resident") or ()),
             )
         except (httpx.HTTPError, ValueError, TypeError, AttributeError) as e:
             logger.debug("Load poll of rank %d failed: %s", worker.rank, e)

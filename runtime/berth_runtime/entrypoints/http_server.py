@@ -281,6 +281,11 @@ def create_app(state: ServerState, lifespan: Any = None) -> Any:
             gen_throughput=stats.gen_throughput if stats else 0.0,
             timestamp=stats.time if stats else None,
         )
+        if tm is not None and tm.lora.enabled:
+            # What a router needs for adapter affinity: the adapters this rank serves, and those
+            # in its device slots (a request for one of them runs at once).
+            load["lora_adapters"] = sorted(tm.lora.adapters)
+            load["lora_resident"] = stats.lora_running if stats else []
         return JSONResponse(load)
 
     # --- generation -----------------------------------------------------------------------

@@ -31,7 +31,8 @@ TARGETS: dict[str, tuple[str, int]] = {
     "gate_up_proj": ("gate_up_proj", -1),
     "down_proj": ("down_proj", 0),
 }
-PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# Berth's projections that take updates, and how many checkpoint projections each fuses.
+PROJECTION_PARTS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
 
 _LORA_NAME = re.compile(r"^layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 

@@ -39,14 +39,15 @@ class LoraManager:
     def __init__(self, args: ServerArgs, model: nn.Module, device: torch.device, packed: bool):
         self.model = model
         self.max_loaded = args.max_loaded_loras
-        self.pool = LoraPool(args.max_loras_per_batch, device, packed)
         self.loaded: dict[str, Loaded] = {}
         self._namespaces = itertools.count(1)
-        attach(model, self.pool)
         initial = [parse_lora_path(spec) for spec in args.lora_paths]
         self.max_rank = args.max_lora_rank or max(
             [DEFAULT_MAX_RANK, *(peek_rank(path) for _, path in initial)]
         )
+        dtype = next(model.parameters()).dtype
+        self.pool = LoraPool(args.max_loras_per_batch, self.max_rank, device, dtype, packed)
+        attach(model, self.pool)
         for name, path in initial:
             self.load(name, path)
 
@@ -55,19 +56,9 @@ class LoraManager:
         return self.pool.num_slots
 
     def slots_nbytes(self) -> int:
-        """Device memory the slots take when full of adapters of --max-lora-rank targeting every
-        projection: what the KV cache must leave free on an accelerator."""
-        parts = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
-        itemsize = next(self.model.parameters()).element_size()
-        per_slot = 0
-        for layer in self.model.layers:
-            for owner in (layer.self_attn, layer.mlp):
-                for projection, count in parts.items():
-                    module = getattr(owner, projection, None)
-                    if isinstance(module, nn.Linear):
-                        width = count * self.max_rank
-                        per_slot += width * (module.in_features + module.out_features) * itemsize
-        return per_slot * self.pool.num_slots
+        """Device memory the slots take (`LoraPool`'s stacks): what the KV cache must leave free
+        on an accelerator."""
+        return sum(s.a.nbytes + s.b.nbytes for s in self.pool.stacks.values())
 
     # --- loading -------------------------------------------------------------------------------
 

@@ -10,35 +10,50 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from berth_runtime.lora.adapter import PROJECTIONS, LoraAdapter
+from berth_runtime.lora.adapter import PROJECTION_PARTS, LoraAdapter
 from berth_runtime.models.layers.linear import pack_weight, packed_linear
-
-Rows = slice | torch.Tensor  # a batch's rows: a contiguous run, or their indices
 
 
 @dataclass
 class Slot:
-    """One adapter on the device: each (layer, projection)'s (A, B), prepacked for oneDNN on a
-    CPU whose projections are (`pool.packed`)."""
-
     name: str
-    deltas: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    adapter: LoraAdapter
     last_used: int = 0
 
 
 @dataclass
+class Stack:
+    """One projection's updates for every slot: `a` [slots * width, in] holds slot s's stacked A
+    in rows [s * width, ...), `b` [out, slots * width] its B in the same columns (zeros where a
+    slot is empty or its rank is below the widest); width = the projection's parts * max rank.
+    Prepacked for oneDNN on a CPU whose projections are."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    width: int
+
+
+@dataclass
 class LoraPool:
-    """`num_slots` slots (--max-loras-per-batch): the adapters one batch may mix. A step's rows
-    are grouped by adapter (`set_batch`), and each adapted projection adds, per adapter in the
-    batch, (x[rows] @ A.T) @ B.T to its rows: a handful of small matmuls per projection whatever
-    the batch size, never one forward pass per adapter; base rows take none."""
+    """`num_slots` device slots (--max-loras-per-batch): the adapters one batch may mix.
+
+    Each adapted projection adds, for the whole step, `((x @ A.T) * mask) @ B.T`, A and B every
+    slot's updates side by side (`Stack`) and the mask keeping each row's own slot's columns
+    (none for base rows): three ops per projection whatever the adapters in the step, never one
+    forward pass per adapter. The matmuls' shapes do not depend on the batch, and on CPU they run
+    on oneDNN like the projections, so no row's result depends on what shares its step."""
 
     num_slots: int
+    max_rank: int
     device: torch.device
-    packed: bool  # CPU projections run on oneDNN: so do the updates (row-independent results)
+    dtype: torch.dtype
+    packed: bool
     slots: list[Slot | None] = field(init=False)
-    # The step being run: (slot, rows) for each adapter in it.
-    segments: list[tuple[Slot, Rows]] = field(default_factory=list)
+    # (layer, projection) -> (in_features, out_features), for every projection that takes updates.
+    shapes: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
+    stacks: dict[tuple[int, str], Stack] = field(default_factory=dict)
+    # The step being run: its row mask per projection width (None: no row has an adapter).
+    masks: dict[int, torch.Tensor] | None = None
     _clock: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     def __post_init__(self) -> None:
@@ -56,9 +71,9 @@ class LoraPool:
         return [slot.name for slot in self.slots if slot is not None]
 
     def fill(self, adapter: LoraAdapter, keep: set[str]) -> int:
-        """Copy `adapter` into a free slot, or over the least recently used one whose adapter is
-        not in `keep` (those the running requests use); returns the slot. The scheduler admits no
-        more adapters at once than there are slots, so one is always found."""
+        """Put `adapter` in a slot: its own, a free one, or the least recently used one whose
+        adapter is not in `keep` (those the running requests use); returns the slot. The scheduler
+        admits no more adapters at once than there are slots, so one is always found."""
         index = self.slot_of(adapter.name)
         if index is None:
             free = [i for i, s in enumerate(self.slots) if s is None]
@@ -67,7 +82,8 @@ class LoraPool:
                 assert idle, "the scheduler admitted more adapters than there are slots"
                 free = [min(idle, key=lambda i: self.slots[i].last_used)]  # type: ignore[union-attr]
             index = free[0]
-            self.slots[index] = Slot(adapter.name, self._to_device(adapter))
+            self.slots[index] = Slot(adapter.name, adapter)
+            self._rebuild()
         slot = self.slots[index]
         assert slot is not None
         slot.last_used = next(self._clock)
@@ -77,56 +93,56 @@ class LoraPool:
         index = self.slot_of(name)
         if index is not None:
             self.slots[index] = None
+            self._rebuild()
 
-    def _to_device(self, adapter: LoraAdapter) -> dict[tuple[int, str], tuple[torch.Tensor, ...]]:
-        def place(weight: torch.Tensor) -> torch.Tensor:
-            weight = weight.to(self.device)
-            return pack_weight(weight) if self.packed else weight
-
-        return {key: (place(d.a), place(d.b)) for key, d in adapter.deltas.items()}
+    def _rebuild(self) -> None:
+        """Lay every slot's updates out again (after a slot changed; a load, not a step)."""
+        self.stacks = {}
+        for key, (fan_in, fan_out) in self.shapes.items():
+            width = PROJECTION_PARTS[key[1]] * self.max_rank
+            a = torch.zeros(self.num_slots * width, fan_in, dtype=self.dtype)
+            b = torch.zeros(fan_out, self.num_slots * width, dtype=self.dtype)
+            for index, slot in enumerate(self.slots):
+                delta = slot.adapter.deltas.get(key) if slot is not None else None
+                if delta is not None:
+                    start = index * width
+                    a[start : start + delta.a.shape[0]] = delta.a
+                    b[:, start : start + delta.b.shape[1]] = delta.b
+            a, b = a.to(self.device), b.to(self.device)
+            if self.packed:
+                a, b = pack_weight(a), pack_weight(b)
+            self.stacks[key] = Stack(a, b, width)
 
     # --- a step --------------------------------------------------------------------------------
 
     def set_batch(self, adapters: list[str | None], rows: list[int]) -> None:
         """The next step's rows: sequence i has `rows[i]` of them, under adapter `adapters[i]`
         (None: the base model)."""
-        self.segments = []
         if not any(adapters):
+            self.masks = None
             return
-        by_name: dict[str, list[tuple[int, int]]] = {}
-        start = 0
+        row_slots = []
         for name, count in zip(adapters, rows):
-            if name is not None:
-                by_name.setdefault(name, []).append((start, start + count))
-            start += count
-        for name, spans in by_name.items():
-            index = self.slot_of(name)
+            index = -1 if name is None else self.slot_of(name)
             assert index is not None, f"adapter {name!r} was not given a slot"
-            slot = self.slots[index]
-            assert slot is not None
-            slot.last_used = next(self._clock)
-            contiguous = all(a[1] == b[0] for a, b in itertools.pairwise(spans))
-            if contiguous:
-                self.segments.append((slot, slice(spans[0][0], spans[-1][1])))
-            else:
-                indices = [i for s, e in spans for i in range(s, e)]
-                self.segments.append((slot, torch.tensor(indices, device=self.device)))
-
-    def clear_batch(self) -> None:
-        self.segments = []
+            row_slots += [index] * count
+        row_slot = torch.tensor(row_slots, device=self.device)
+        self.masks = {}
+        for parts in set(PROJECTION_PARTS.values()):
+            width = parts * self.max_rank
+            columns = torch.arange(self.num_slots * width, device=self.device) // width
+            self.masks[width] = (columns[None, :] == row_slot[:, None]).to(self.dtype)
 
     def add_delta(self, layer: int, projection: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out[rows] += (x[rows] @ A.T) @ B.T for each adapter of the step, in place."""
+        """out += ((x @ A.T) * mask) @ B.T over every slot at once, in place."""
+        assert self.masks is not None
+        stack = self.stacks.get((layer, projection))
+        if stack is None:
+            return
         matmul = packed_linear if self.packed else F.linear
-        for slot, rows in self.segments:
-            weights = slot.deltas.get((layer, projection))
-            if weights is None:
-                continue
-            a, b = weights
-            if isinstance(rows, slice):
-                out[rows] += matmul(matmul(x[rows], a), b)
-            else:
-                out.index_add_(0, rows, matmul(matmul(x.index_select(0, rows), a), b))
+        shrunk = matmul(x, stack.a)
+        shrunk.mul_(self.masks[stack.width])
+        out += matmul(shrunk, stack.b)
 
 
 @dataclass
@@ -142,7 +158,9 @@ def attach(model: nn.Module, pool: LoraPool) -> None:
     """Give every attention and dense MLP projection its hook (a MoE layer's experts get none)."""
     for layer_id, layer in enumerate(model.layers):
         for owner in (layer.self_attn, layer.mlp):
-            for projection in PROJECTIONS:
+            for projection in PROJECTION_PARTS:
                 module = getattr(owner, projection, None)
                 if isinstance(module, nn.Linear):
                     module.berth_lora = LoraHook(pool, layer_id, projection)
+                    pool.shapes[(layer_id, projection)] = (module.in_features, module.out_features)
+    pool._rebuild()
