@@ -21,14 +21,17 @@ def make_adapter(
     alpha: int = 16,
     targets: tuple[str, ...] = ALL_TARGETS,
     std: float = 0.05,
+    model_dir: str | None = None,
 ) -> Path:
-    """Save a LoRA adapter of the embedded model in `out_dir` (PEFT's own format): PEFT zeroes
-    lora_B at init, so every LoRA weight is drawn again, seeded, for the adapter to change the
-    answers."""
+    """Save a LoRA adapter of `model_dir` (default: the embedded model) in `out_dir` (PEFT's own
+    format): PEFT zeroes lora_B at init, so every LoRA weight is drawn again, seeded, for the
+    adapter to change the answers."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(embedded_model_dir(), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir or embedded_model_dir(), dtype=torch.float32
+    )
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0)
     peft_model = get_peft_model(model, config)
     generator = torch.Generator().manual_seed(seed)
@@ -74,3 +77,25 @@ def peft_greedy(adapter: Path | None, prompts: list[str], max_new_tokens: int) -
             )
         answers.append(_tokenizer().decode(out[0, ids.shape[1] :], skip_special_tokens=True))
     return answers
+
+
+def peft_greedy_ids(
+    model_dir: str, adapter: Path | None, input_ids: list[int], num_tokens: int
+) -> list[int]:
+    """transformers + PEFT's argmax decoding of `model_dir` with `adapter` (fp32, EOS ignored)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter))
+    model.eval()
+    ids = torch.tensor([input_ids])
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            token = int(model(ids).logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return out

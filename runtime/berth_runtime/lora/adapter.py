@@ -90,7 +90,10 @@ def read_adapter(name: str, path: str, model: nn.Module, max_rank: int) -> LoraA
     params = next(model.parameters())
     pieces: dict[tuple[int, str], dict[int, dict[str, torch.Tensor]]] = {}
     for key, tensor in tensors.items():
-        layer, projection, part, which = _place(name, key, model)
+        place = _place(name, key, model)
+        if place is None:
+            continue  # a part of the checkpoint Berth does not run (a vision tower)
+        layer, projection, part, which = place
         slot = pieces.setdefault((layer, projection), {}).setdefault(part, {})
         slot[which] = tensor.to(params.dtype)
     adapter = LoraAdapter(name, path, rank, scaling, sorted(_targets(config)))
@@ -151,15 +154,17 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
     raise LoraError(f"{path!r} has no adapter weights ({' or '.join(WEIGHT_FILES)})")
 
 
-def _place(name: str, key: str, model: nn.Module) -> tuple[int, str, int, str]:
+def _place(name: str, key: str, model: nn.Module) -> tuple[int, str, int, str] | None:
     """(layer, Berth projection, part, "A" or "B") of a PEFT tensor name, as the base model's
-    own names map (`CausalLM.remap`)."""
+    own names map (`CausalLM.remap`); None for a part of the checkpoint Berth does not run."""
     hf_name = key.removeprefix("base_model.model.").removeprefix("model.")
     hf_name = re.sub(r"\.lora_([AB])\.\w+\.weight$", r".lora_\1.weight", hf_name)  # named adapter
-    base_name = model.remap(hf_name.replace(".lora_A.", ".").replace(".lora_B.", "."))
     which = "A" if ".lora_A." in hf_name else "B" if ".lora_B." in hf_name else None
-    if base_name is None or which is None:
-        raise LoraError(f"adapter {name!r}: tensor {key!r} is not a LoRA weight of this model")
+    if which is None:
+        raise LoraError(f"adapter {name!r}: tensor {key!r} is not a LoRA weight")
+    base_name = model.remap(hf_name.replace(".lora_A.", ".").replace(".lora_B.", "."))
+    if base_name is None:
+        return None
     match = _LORA_NAME.match(base_name.replace(".weight", f".lora_{which}.weight"))
     if match is None or ".experts." in base_name:
         where = "MoE experts" if ".experts." in base_name else f"{base_name.rsplit('.', 1)[0]}"

@@ -36,7 +36,14 @@ class LoraManager:
     """Adapters by name, each in host memory once loaded (at most --max-loaded-loras), and a
     LoraPool of --max-loras-per-batch device slots that the running requests' adapters occupy."""
 
-    def __init__(self, args: ServerArgs, model: nn.Module, device: torch.device, packed: bool):
+    def __init__(
+        self,
+        args: ServerArgs,
+        model: nn.Module,
+        device: torch.device,
+        packed: bool,
+        triton: bool = False,
+    ) -> None:
         self.model = model
         self.max_loaded = args.max_loaded_loras
         self.loaded: dict[str, Loaded] = {}
@@ -46,7 +53,9 @@ class LoraManager:
             [DEFAULT_MAX_RANK, *(peek_rank(path) for _, path in initial)]
         )
         dtype = next(model.parameters()).dtype
-        self.pool = LoraPool(args.max_loras_per_batch, self.max_rank, device, dtype, packed)
+        self.pool = LoraPool(
+            args.max_loras_per_batch, self.max_rank, device, dtype, packed, triton=triton
+        )
         attach(model, self.pool)
         for name, path in initial:
             self.load(name, path)

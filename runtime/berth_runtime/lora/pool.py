@@ -23,10 +23,13 @@ class Slot:
 
 @dataclass
 class Stack:
-    """One projection's updates for every slot: `a` [slots * width, in] holds slot s's stacked A
-    in rows [s * width, ...), `b` [out, slots * width] its B in the same columns (zeros where a
-    slot is empty or its rank is below the widest); width = the projection's parts * max rank.
-    Prepacked for oneDNN on a CPU whose projections are."""
+    """One projection's updates for every slot; width = the projection's parts * max rank, zeros
+    where a slot is empty or its rank is below the widest.
+
+    torch (CPU): `a` [slots * width, in] holds slot s's stacked A in rows [s * width, ...), `b`
+    [out, slots * width] its B in the same columns; prepacked for oneDNN where the projections
+    are. Triton: `a` [slots + 1, width, in] and `b` [slots + 1, out, width], slot by slot, the
+    last one all zeros (the base model's rows run on it)."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -37,23 +40,31 @@ class Stack:
 class LoraPool:
     """`num_slots` device slots (--max-loras-per-batch): the adapters one batch may mix.
 
-    Each adapted projection adds, for the whole step, `((x @ A.T) * mask) @ B.T`, A and B every
-    slot's updates side by side (`Stack`) and the mask keeping each row's own slot's columns
-    (none for base rows): three ops per projection whatever the adapters in the step, never one
-    forward pass per adapter. The matmuls' shapes do not depend on the batch, and on CPU they run
-    on oneDNN like the projections, so no row's result depends on what shares its step."""
+    On CPU each adapted projection adds, for the whole step, `((x @ A.T) * mask) @ B.T`, A and B
+    every slot's updates side by side (`Stack`) and the mask keeping each row's own slot's
+    columns (none for base rows): three ops per projection whatever the adapters in the step,
+    never one forward pass per adapter. The matmuls' shapes do not depend on the batch, and they
+    run on oneDNN like the projections, so no row's result depends on what shares its step. On
+    Triton, two launches of a grouped matmul multiply each row by its own slot's A then B (rows
+    sorted by slot on the device, no host sync), so no other slot costs anything."""
 
     num_slots: int
     max_rank: int
     device: torch.device
     dtype: torch.dtype
     packed: bool
+    # Run the updates on Triton (`kernels.triton_moe`'s expert matmul, a slot for an expert): each
+    # row multiplies its own slot's weights only. Where attention runs on Triton (CUDA, or CPU
+    # tensors under the interpreter).
+    triton: bool = False
     slots: list[Slot | None] = field(init=False)
     # (layer, projection) -> (in_features, out_features), for every projection that takes updates.
     shapes: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
     stacks: dict[tuple[int, str], Stack] = field(default_factory=dict)
-    # The step being run: its row mask per projection width (None: no row has an adapter).
+    # The step being run (None: no row has an adapter): torch, its row mask per projection
+    # width; Triton, its rows sorted by slot (`triton_moe.align_by_expert`).
     masks: dict[int, torch.Tensor] | None = None
+    alignment: tuple[torch.Tensor, ...] | None = None
     _clock: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     def __post_init__(self) -> None:
@@ -100,6 +111,9 @@ class LoraPool:
         self.stacks = {}
         for key, (fan_in, fan_out) in self.shapes.items():
             width = PROJECTION_PARTS[key[1]] * self.max_rank
+            if self.triton:
+                self.stacks[key] = self._triton_stack(key, fan_in, fan_out, width)
+                continue
             a = torch.zeros(self.num_slots * width, fan_in, dtype=self.dtype)
             b = torch.zeros(fan_out, self.num_slots * width, dtype=self.dtype)
             for index, slot in enumerate(self.slots):
@@ -113,19 +127,37 @@ class LoraPool:
                 a, b = pack_weight(a), pack_weight(b)
             self.stacks[key] = Stack(a, b, width)
 
+    def _triton_stack(self, key: tuple[int, str], fan_in: int, fan_out: int, width: int) -> Stack:
+        a = torch.zeros(self.num_slots + 1, width, fan_in, dtype=self.dtype)
+        b = torch.zeros(self.num_slots + 1, fan_out, width, dtype=self.dtype)
+        for index, slot in enumerate(self.slots):
+            delta = slot.adapter.deltas.get(key) if slot is not None else None
+            if delta is not None:
+                a[index, : delta.a.shape[0]] = delta.a
+                b[index, :, : delta.b.shape[1]] = delta.b
+        return Stack(a.to(self.device), b.to(self.device), width)
+
     # --- a step --------------------------------------------------------------------------------
 
     def set_batch(self, adapters: list[str | None], rows: list[int]) -> None:
         """The next step's rows: sequence i has `rows[i]` of them, under adapter `adapters[i]`
         (None: the base model)."""
         if not any(adapters):
-            self.masks = None
+            self.masks = self.alignment = None
             return
         row_slots = []
         for name, count in zip(adapters, rows):
             index = -1 if name is None else self.slot_of(name)
             assert index is not None, f"adapter {name!r} was not given a slot"
             row_slots += [index] * count
+        if self.triton:
+            from berth_runtime.kernels import triton_moe
+
+            base = self.num_slots  # the all-zero slot
+            slots = torch.tensor([base if i < 0 else i for i in row_slots], device=self.device)
+            self.alignment = triton_moe.align_by_expert(slots[:, None], self.num_slots + 1)
+            self.masks = {}  # not read: Triton multiplies each row by its own slot's weights
+            return
         row_slot = torch.tensor(row_slots, device=self.device)
         self.masks = {}
         for parts in set(PROJECTION_PARTS.values()):
@@ -138,6 +170,13 @@ class LoraPool:
         assert self.masks is not None
         stack = self.stacks.get((layer, projection))
         if stack is None:
+            return
+        if self.triton:
+            from berth_runtime.kernels import triton_moe
+
+            assert self.alignment is not None
+            shrunk = triton_moe.expert_matmul(x.contiguous(), stack.a, self.alignment, 1)
+            out += triton_moe.expert_matmul(shrunk, stack.b, self.alignment, 1)
             return
         matmul = packed_linear if self.packed else F.linear
         shrunk = matmul(x, stack.a)

@@ -195,7 +195,13 @@ class ModelRunner:
         # LoRA adapters: their hooks go on the projections, which the fused C++ step bypasses.
         self.lora: LoraManager | None = None
         if args.enable_lora:
-            self.lora = LoraManager(args, model, self.device, packed=self.prepacked)
+            self.lora = LoraManager(
+                args,
+                model,
+                self.device,
+                packed=self.prepacked,
+                triton=self.attention_backend == "triton",
+            )
         # Needs berth_cpu (it checks itself), and the whole model: its C++ step has no collective.
         self.fused_decode = self.tp.size == 1 and self.lora is None and model.enable_fused_decode()
         # Only SDPA reads an attention mask; paged kernels take each sequence's length.
