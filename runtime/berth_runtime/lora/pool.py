@@ -202,4 +202,5 @@ def attach(model: nn.Module, pool: LoraPool) -> None:
                 if isinstance(module, nn.Linear):
                     module.berth_lora = LoraHook(pool, layer_id, projection)
                     pool.shapes[(layer_id, projection)] = (module.in_features, module.out_features)
+    model.lora_pool = pool  # steps with adapter rows skip the fused decode, which has no hooks
     pool._rebuild()

@@ -192,7 +192,8 @@ class ModelRunner:
         # What the model holds in its own dtype (the 4-bit and 8-bit weights: q4_bytes and
         # int8_lm_head_bytes).
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        # LoRA adapters: their hooks go on the projections, which the fused C++ step bypasses.
+        # LoRA adapters: their hooks go on the projections (steps with adapter rows skip the
+        # fused C++ decode step, which bypasses them; base-only steps still take it).
         self.lora: LoraManager | None = None
         if args.enable_lora:
             self.lora = LoraManager(
@@ -203,7 +204,7 @@ class ModelRunner:
                 triton=self.attention_backend == "triton",
             )
         # Needs berth_cpu (it checks itself), and the whole model: its C++ step has no collective.
-        self.fused_decode = self.tp.size == 1 and self.lora is None and model.enable_fused_decode()
+        self.fused_decode = self.tp.size == 1 and model.enable_fused_decode()
         # Only SDPA reads an attention mask; paged kernels take each sequence's length.
         self.needs_attn_mask = model.layers[0].self_attn.paged_attention is None
         self.model = model.eval()

@@ -90,6 +90,8 @@ class CausalLM(CpuWeightPaths, nn.Module):
         self.fused_decode_rows = 0  # set by enable_fused_decode
         self.fused_decode_weights: list[torch.Tensor] = []
         self.use_cpu_logit_kernels = False  # set by enable_cpu_kernels
+        # LoRA (`lora.pool.attach`): the pool whose step may give rows adapter updates.
+        self.lora_pool = None
         # Gemma 2: vocab scores pass through cap * tanh(score / cap).
         self.final_logit_softcap: float | None = getattr(config, "final_logit_softcapping", None)
 
@@ -117,7 +119,8 @@ class CausalLM(CpuWeightPaths, nn.Module):
     def forward(self, batch: ForwardBatch, kv_pool: TokenToKVPool) -> torch.Tensor:
         hidden = self.embed(batch.input_ids)
         rope = self.rotary.tables(batch.positions, hidden.dtype)
-        if batch.is_decode and 0 < batch.decode_seqs <= self.fused_decode_rows:
+        adapted = self.lora_pool is not None and self.lora_pool.masks is not None
+        if batch.is_decode and 0 < batch.decode_seqs <= self.fused_decode_rows and not adapted:
             # The same ops as the layers below, dispatched from C++ (see `enable_fused_decode`).
             attn = self.layers[0].self_attn
             return torch.ops.berth.decode_layers(

@@ -54,6 +54,7 @@ def expected(adapters: dict[str, Path]) -> dict[str | None, list[str]]:
 
 @pytest.fixture(scope="module")
 def server(adapters: dict[str, Path]) -> Iterator[RunningServer]:
+    """The adapters' server; the conftest's `http` client talks to it."""
     srv = RunningServer(
         "--model",
         embedded_model_dir(),
@@ -73,12 +74,6 @@ def server(adapters: dict[str, Path]) -> Iterator[RunningServer]:
     ).wait_ready()
     yield srv
     srv.stop()
-
-
-@pytest.fixture
-def http(server: RunningServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=120) as client:
-        yield client
 
 
 def chat(http: httpx.Client, prompt: str, model: str | None) -> dict:
