@@ -465,6 +465,7 @@ class Scheduler:
             # K/V are written before attention in every layer), through the decode path (in one
             # C++ call on the 4-bit weights).
             rows = [(r, j) for r, d in zip(reqs, drafts) for j in range(1 + len(d))]
+            self._use_adapters([r for r, _ in rows], [1] * len(rows))
             logits = self.runner.forward_decode(
                 tokens, [r.kv_len + j for r, j in rows], slots, [r.req_row for r, _ in rows]
             ).logits
@@ -480,6 +481,7 @@ class Scheduler:
                 verify=True,
                 with_mask=self.runner.needs_attn_mask,
             )
+            self._use_adapters(reqs, [1 + len(d) for d in drafts])
             logits = self.runner.compute_logits(self.runner.forward(forward))
         picked = logits.max(dim=-1)
         greedy = picked.indices.tolist()

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import RunningServer, embedded_model_dir
+from tests.helpers import RunningServer, embedded_model_dir, metric, scrape
 from tests.lora_adapters import make_adapter, peft_greedy
 
 PROMPTS = [
@@ -336,5 +336,22 @@ def test_lora_off_refuses_adapters() -> None:
             generate = http.post("/generate", json={"text": "hi", "lora_path": "a"})
             assert generate.status_code == 400
             assert "--enable-lora" in generate.json()["error"]["message"]
+    finally:
+        srv.stop()
+
+
+def test_speculative_decoding_keeps_each_adapters_answers(adapters: dict, expected: dict) -> None:
+    """Prompt-lookup drafts verified under the request's adapter: answers as without them."""
+    srv = RunningServer(
+        "--model", embedded_model_dir(), "--served-model-name", "base", "--dtype", "float32",
+        "--device", "cpu", "--speculative-algorithm", "ngram", "--lora-paths",
+        f"a1={adapters['a1']}", f"a2={adapters['a2']}",
+    ).wait_ready()  # fmt: skip
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=300) as client:
+            for name in (None, "a1", "a2"):
+                assert [answer(client, p, name) for p in PROMPTS] == expected[name], name
+            drafts = metric(scrape(srv.base_url), "berth:spec_decode_num_draft_tokens")
+            assert drafts > 0  # verification steps ran
     finally:
         srv.stop()
