@@ -376,8 +376,6 @@ class ServerArgs(DataclassCli):
             )
         if self.lora_paths and not self.enable_lora:
             object.__setattr__(self, "enable_lora", True)
-        if self.enable_lora and self.tp_size > 1:
-            raise ValueError("--enable-lora runs with --tp-size 1 only, for now")
         if self.watchdog_timeout <= 0:
             raise ValueError("--watchdog-timeout must be positive")
         if self.max_stored_responses < 0:

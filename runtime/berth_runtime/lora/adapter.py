@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from berth_runtime.model_executor import tensor_parallel
 from berth_runtime.models.layers.attention import Attention
 from berth_runtime.models.layers.mlp import GatedMLP
 
@@ -89,11 +90,14 @@ def read_adapter(name: str, path: str, model: nn.Module, max_rank: int) -> LoraA
     tensors = _read_weights(path)
     params = next(model.parameters())
     pieces: dict[tuple[int, str], dict[int, dict[str, torch.Tensor]]] = {}
+    split = tensor_parallel.current().size > 1
     for key, tensor in tensors.items():
         place = _place(name, key, model)
         if place is None:
             continue  # a part of the checkpoint Berth does not run (a vision tower)
         layer, projection, part, which = place
+        if split:
+            tensor = _share(model, tensor, layer, projection, part, which)
         slot = pieces.setdefault((layer, projection), {}).setdefault(part, {})
         slot[which] = tensor.to(params.dtype)
     adapter = LoraAdapter(name, path, rank, scaling, sorted(_targets(config)))
@@ -182,6 +186,35 @@ def _place(name: str, key: str, model: nn.Module) -> tuple[int, str, int, str] |
         )
     projection, part = TARGETS[target]
     return layer, projection, part, which
+
+
+# The checkpoint projection each part of a Berth projection loads from (part -1: fused in it).
+_CHECKPOINT_NAMES = {
+    ("qkv_proj", 0): "q_proj",
+    ("qkv_proj", 1): "k_proj",
+    ("qkv_proj", 2): "v_proj",
+    ("qkv_proj", -1): "qkv_proj",
+    ("gate_up_proj", 0): "gate_proj",
+    ("gate_up_proj", 1): "up_proj",
+    ("gate_up_proj", -1): "gate_up_proj",
+    ("o_proj", 0): "o_proj",
+    ("down_proj", 0): "down_proj",
+}
+
+
+def _share(
+    model: nn.Module, tensor: torch.Tensor, layer: int, projection: str, part: int, which: str
+) -> torch.Tensor:
+    """This process's part of a LoRA weight (tensor parallelism), cut as the base weight it
+    updates is (`CausalLM._share`): a column-parallel projection's B by its output rows (A whole:
+    its input is whole), a row-parallel one's (o_proj, down_proj) A by its input columns (B whole:
+    each process's update is summed with its output)."""
+    row_parallel = projection in ("o_proj", "down_proj")
+    if (which == "A") != row_parallel:
+        return tensor
+    owner = "self_attn" if projection in ("qkv_proj", "o_proj") else "mlp"
+    base = f"layers.{layer}.{owner}.{_CHECKPOINT_NAMES[(projection, part)]}.weight"
+    return model._share(base, tensor)
 
 
 def _projection(model: nn.Module, layer: int, projection: str) -> tuple[nn.Linear, list[int]]:

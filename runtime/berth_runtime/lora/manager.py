@@ -14,6 +14,7 @@ from torch import nn
 
 from berth_runtime.lora.adapter import LoraAdapter, LoraError, read_adapter
 from berth_runtime.lora.pool import LoraPool, attach
+from berth_runtime.model_executor import tensor_parallel
 from berth_runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,10 @@ class LoraManager:
         self.max_loaded = args.max_loaded_loras
         self.loaded: dict[str, Loaded] = {}
         self._namespaces = itertools.count(1)
+        # Tensor parallelism: process 0 (the scheduler) repeats every load, step and drop on the
+        # other processes (`tp_worker.serve`), so each holds its share of the same slots.
+        tp = tensor_parallel.current()
+        self.leader = tp.size > 1 and tp.rank == 0
         initial = [parse_lora_path(spec) for spec in args.lora_paths]
         self.max_rank = args.max_lora_rank or max(
             [DEFAULT_MAX_RANK, *(peek_rank(path) for _, path in initial)]
@@ -57,8 +62,8 @@ class LoraManager:
             args.max_loras_per_batch, self.max_rank, device, dtype, packed, triton=triton
         )
         attach(model, self.pool)
-        for name, path in initial:
-            self.load(name, path)
+        for name, path in initial:  # every process loads these itself
+            self._load(name, path)
 
     @property
     def max_per_batch(self) -> int:
@@ -74,6 +79,12 @@ class LoraManager:
     def load(self, name: str, path: str) -> LoraAdapter:
         """Read an adapter into host memory; LoraError (400) if it cannot be served, (409) if
         the name is taken, (400) past --max-loaded-loras."""
+        adapter = self._load(name, path)
+        if self.leader:
+            tensor_parallel.broadcast(("lora_load", (name, path)))
+        return adapter
+
+    def _load(self, name: str, path: str) -> LoraAdapter:
         if not name or ":" in name:
             raise LoraError(f"adapter name {name!r} must be non-empty and have no ':'")
         if name in self.loaded:
@@ -116,10 +127,17 @@ class LoraManager:
         done = [n for n, a in self.loaded.items() if a.unloading and n not in in_use]
         dropped = []
         for name in done:
-            self.pool.evict(name)
-            dropped.append((name, self.loaded.pop(name).namespace))
-            logger.info("Unloaded LoRA adapter %r", name)
+            dropped.append((name, self.loaded[name].namespace))
+            self.drop(name)
         return dropped
+
+    def drop(self, name: str) -> None:
+        """Forget an adapter no request uses (on every process)."""
+        if self.leader:
+            tensor_parallel.broadcast(("lora_drop", name))
+        self.pool.evict(name)
+        self.loaded.pop(name, None)
+        logger.info("Unloaded LoRA adapter %r", name)
 
     def paths(self) -> dict[str, str]:
         """Each loaded adapter's directory, by name."""
@@ -135,6 +153,8 @@ class LoraManager:
     def prepare(self, adapters: list[str | None], rows: list[int], live: set[str]) -> None:
         """Put the step's adapters in slots (keeping those of `live` requests) and tell the
         projections which rows take which (see `LoraPool.set_batch`)."""
+        if self.leader:
+            tensor_parallel.broadcast(("lora_prepare", (adapters, rows, live)))
         keep = live | {name for name in adapters if name is not None}
         for name in dict.fromkeys(a for a in adapters if a is not None):
             self.pool.fill(self.loaded[name].adapter, keep)

@@ -135,6 +135,12 @@ def serve(runner: Any) -> None:
                 runner.model(on_device(payload, runner.device), runner.kv_pool)
             elif kind == "logits":
                 runner.model.compute_logits(payload.to(runner.device))
+            elif kind == "lora_load":  # process 0 loaded it: so must every process
+                runner.lora.load(*payload)
+            elif kind == "lora_prepare":
+                runner.lora.prepare(*payload)
+            elif kind == "lora_drop":
+                runner.lora.drop(payload)
             elif kind == "stop":
                 return
 

@@ -57,17 +57,36 @@ def servers() -> Iterator[tuple[RunningServer, RunningServer]]:
         two.stop()
 
 
-def chat(server: RunningServer, prompt: str) -> list[dict]:
-    body = {
+def chat(server: RunningServer, prompt: str, model: str | None = None) -> list[dict]:
+    body: dict = {
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
         "logprobs": True,
         "top_logprobs": 2,
     }
+    if model is not None:
+        body["model"] = model
     response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=300)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["logprobs"]["content"]
+
+
+def compare(one: RunningServer, two: RunningServer, prompt: str, model: str | None = None):
+    """(tokens compared, tokens in all): equal tokens with logprobs within LOGPROB_BOUND, up to
+    a parting of the ways at a near-tie."""
+    alone, split = chat(one, prompt, model), chat(two, prompt, model)
+    compared = 0
+    for mine, theirs in zip(alone, split):
+        if mine["token"] != theirs["token"]:
+            first, second = mine["top_logprobs"][:2]
+            assert first["logprob"] - second["logprob"] < NEAR_TIE, (prompt, mine, theirs)
+            break
+        assert abs(mine["logprob"] - theirs["logprob"]) <= LOGPROB_BOUND, (prompt, mine)
+        compared += 1
+    else:
+        assert len(alone) == len(split), prompt
+    return compared, len(alone)
 
 
 def test_two_processes_answer_as_one(servers) -> None:
@@ -76,18 +95,41 @@ def test_two_processes_answer_as_one(servers) -> None:
     assert info["tp_size"] == 2
     compared = total = 0
     for prompt in PROMPTS:
-        alone, split = chat(one, prompt), chat(two, prompt)
-        total += len(alone)
-        for mine, theirs in zip(alone, split):
-            if mine["token"] != theirs["token"]:
-                first, second = mine["top_logprobs"][:2]
-                assert first["logprob"] - second["logprob"] < NEAR_TIE, (prompt, mine, theirs)
-                break
-            assert abs(mine["logprob"] - theirs["logprob"]) <= LOGPROB_BOUND, (prompt, mine)
-            compared += 1
-        else:
-            assert len(alone) == len(split), prompt
+        done, tokens = compare(one, two, prompt)
+        compared, total = compared + done, total + tokens
     assert compared >= 0.9 * total  # near-ties are rare: nearly every token was compared
+
+
+def test_lora_adapters_split_in_two_answer_as_one(tmp_path) -> None:
+    """LoRA adapters with --tp-size 2: each process holds its share of every update (B by rows
+    where the projection splits its outputs, A by columns where it splits its inputs); an adapter
+    given at start and one loaded at run time answer as with one process, and unloading one
+    reaches both processes."""
+    from tests.lora_adapters import make_adapter
+
+    first = make_adapter(tmp_path / "a1", seed=1)
+    second = make_adapter(tmp_path / "a2", seed=2, rank=4, targets=("o_proj", "down_proj"))
+    one = serve("--lora-paths", f"a1={first}")
+    two = serve("--lora-paths", f"a1={first}", "--tp-size", "2")
+    try:
+        for server in (one, two):
+            body = {"lora_name": "a2", "lora_path": str(second)}
+            loaded = httpx.post(f"{server.base_url}/load_lora_adapter", json=body, timeout=60)
+            assert loaded.status_code == 200, loaded.text
+        compared = total = 0
+        for model in ("a1", "a2"):
+            for prompt in PROMPTS[:3]:
+                done, tokens = compare(one, two, prompt, model)
+                compared, total = compared + done, total + tokens
+        assert compared >= 0.9 * total
+        unloaded = httpx.post(
+            f"{two.base_url}/unload_lora_adapter", json={"lora_name": "a2"}, timeout=60
+        )
+        assert unloaded.status_code == 200
+        assert chat(two, PROMPTS[0], "a1")  # both processes dropped it and go on together
+    finally:
+        one.stop()
+        two.stop()
 
 
 def test_a_stream_gives_the_whole_answer(servers) -> None:
