@@ -64,8 +64,6 @@ class LoraAdapter:
     name: str
     path: str
     rank: int
-    scaling: float
-    target_modules: list[str]
     # (layer, Berth projection) -> its update
     deltas: dict[tuple[int, str], ProjectionDelta] = field(default_factory=dict)
 
@@ -100,7 +98,7 @@ def read_adapter(name: str, path: str, model: nn.Module, max_rank: int) -> LoraA
             tensor = _share(model, tensor, layer, projection, part, which)
         slot = pieces.setdefault((layer, projection), {}).setdefault(part, {})
         slot[which] = tensor.to(params.dtype)
-    adapter = LoraAdapter(name, path, rank, scaling, sorted(_targets(config)))
+    adapter = LoraAdapter(name, path, rank)
     for (layer, projection), parts in pieces.items():
         module, sizes = _projection(model, layer, projection)
         adapter.deltas[(layer, projection)] = _fuse(
@@ -135,13 +133,6 @@ def _read_config(path: str) -> dict:
     if config.get("bias", "none") != "none":
         raise LoraError(f"{path!r} trains biases (bias: {config['bias']!r}); Berth serves none")
     return config
-
-
-def _targets(config: dict) -> set[str]:
-    targets = config.get("target_modules") or []
-    if isinstance(targets, str):  # a regex, or "all-linear": the weights say what it hit
-        return {targets}
-    return {str(t) for t in targets}
 
 
 def _read_weights(path: str) -> dict[str, torch.Tensor]:

@@ -153,6 +153,8 @@ class LoraManager:
     def prepare(self, adapters: list[str | None], rows: list[int], live: set[str]) -> None:
         """Put the step's adapters in slots (keeping those of `live` requests) and tell the
         projections which rows take which (see `LoraPool.set_batch`)."""
+        if not any(adapters) and not self.pool.active:
+            return  # a base-only step after another: nothing to change, nothing to broadcast
         if self.leader:
             tensor_parallel.broadcast(("lora_prepare", (adapters, rows, live)))
         keep = live | {name for name in adapters if name is not None}

@@ -61,10 +61,16 @@ class LoraPool:
     # (layer, projection) -> (in_features, out_features), for every projection that takes updates.
     shapes: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
     stacks: dict[tuple[int, str], Stack] = field(default_factory=dict)
-    # The step being run (None: no row has an adapter): torch, its row mask per projection
-    # width; Triton, its rows sorted by slot (`triton_moe.align_by_expert`).
+    # The step being run, when a row has an adapter (`active`): torch, its row mask per
+    # projection width; Triton, its rows sorted by slot (`triton_moe.align_by_expert`).
     masks: dict[int, torch.Tensor] | None = None
     alignment: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether the step being run has rows under an adapter (projections add updates)."""
+        return self.masks is not None or self.alignment is not None
+
     _clock: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     def __post_init__(self) -> None:
@@ -156,7 +162,6 @@ class LoraPool:
             base = self.num_slots  # the all-zero slot
             slots = torch.tensor([base if i < 0 else i for i in row_slots], device=self.device)
             self.alignment = triton_moe.align_by_expert(slots[:, None], self.num_slots + 1)
-            self.masks = {}  # not read: Triton multiplies each row by its own slot's weights
             return
         row_slot = torch.tensor(row_slots, device=self.device)
         self.masks = {}
@@ -167,7 +172,6 @@ class LoraPool:
 
     def add_delta(self, layer: int, projection: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += ((x @ A.T) * mask) @ B.T over every slot at once, in place."""
-        assert self.masks is not None
         stack = self.stacks.get((layer, projection))
         if stack is None:
             return
@@ -178,6 +182,7 @@ class LoraPool:
             shrunk = triton_moe.expert_matmul(x.contiguous(), stack.a, self.alignment, 1)
             out += triton_moe.expert_matmul(shrunk, stack.b, self.alignment, 1)
             return
+        assert self.masks is not None
         matmul = packed_linear if self.packed else F.linear
         shrunk = matmul(x, stack.a)
         shrunk.mul_(self.masks[stack.width])

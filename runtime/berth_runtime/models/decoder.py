@@ -119,7 +119,7 @@ class CausalLM(CpuWeightPaths, nn.Module):
     def forward(self, batch: ForwardBatch, kv_pool: TokenToKVPool) -> torch.Tensor:
         hidden = self.embed(batch.input_ids)
         rope = self.rotary.tables(batch.positions, hidden.dtype)
-        adapted = self.lora_pool is not None and self.lora_pool.masks is not None
+        adapted = self.lora_pool is not None and self.lora_pool.active
         if batch.is_decode and 0 < batch.decode_seqs <= self.fused_decode_rows and not adapted:
             # The same ops as the layers below, dispatched from C++ (see `enable_fused_decode`).
             attn = self.layers[0].self_attn

@@ -22,7 +22,7 @@ PARTS = {"qkv_proj": 3, "down_proj": 1, "o_proj": 1}
 def adapter(name: str, rank: int, seed: int) -> LoraAdapter:
     """Random updates of every shape (rank `rank`; the MLP's skipped by one adapter)."""
     generator = torch.Generator().manual_seed(seed)
-    made = LoraAdapter(name, f"/{name}", rank, 1.0, [])
+    made = LoraAdapter(name, f"/{name}", rank)
     for key, (fan_in, fan_out) in SHAPES.items():
         if name == "b" and key[1] == "down_proj":
             continue  # an adapter that leaves a projection alone

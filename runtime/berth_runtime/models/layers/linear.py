@@ -50,7 +50,7 @@ def run_linear(module: nn.Linear, x: torch.Tensor, decode_seqs: int) -> torch.Te
 def _with_lora(module: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Add the LoRA adapters' updates of this step's rows (`lora.pool`), where it has any."""
     hook = getattr(module, "berth_lora", None)
-    if hook is not None and hook.pool.masks is not None:
+    if hook is not None and hook.pool.active:
         hook.pool.add_delta(hook.layer, hook.projection, x, out)
     return out
 
